@@ -1,0 +1,80 @@
+"""``ampgraph.compile``: the one call that turns a model into a mixed-precision one."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from ampgraph.config import AmpConfig, model_device, resolve_dtype
+from ampgraph.module import AmpModule
+
+
+def compile(  # noqa: A001 - the public name mirrors torch.compile
+    model: nn.Module,
+    amp_level: str = "O2",
+    dtype: str | torch.dtype = "auto",
+    *,
+    keep_batchnorm_fp32: bool | None = None,
+    custom_allow: Iterable[Any] = (),
+    custom_deny: Iterable[Any] = (),
+    module_overrides: Mapping[str, str] | None = None,
+    keep_io_types: bool = True,
+) -> nn.Module:
+    """Rewrite ``model``'s graph for mixed precision at ``amp_level``.
+
+    The model is captured with ``torch.export`` on its first call (again when the mode or
+    the input structure changes); each node gets a precision by the level's rules and
+    casts are inserted where precision changes. Parameters stay fp32 and are shared with
+    ``model``; outputs come back in their original dtype.
+
+    Args:
+        model: the fp32 module.
+        amp_level: "O0" (nothing), "O1" (allow-list ops low), "O2" (all low but the deny
+            list), "O3" (all low).
+        dtype: "auto" | "bf16" | "fp16" | torch.bfloat16 | torch.float16.
+        keep_batchnorm_fp32: keep norm layers fp32 (default: True for O1/O2, False for O3).
+        custom_allow: op names, module classes or module-path patterns forced to low.
+        custom_deny: op names, module classes or module-path patterns forced to fp32.
+        module_overrides: module-path pattern -> "fp32" | "bf16" | "fp16" | "low".
+        keep_io_types: cast float outputs back to their original dtype.
+
+    Returns:
+        An :class:`~ampgraph.AmpModule` sharing ``model``'s parameters.
+
+    Raises:
+        TypeError: ``model`` is not an nn.Module.
+        ValueError: an unknown level or dtype, or contradictory overrides.
+
+    Example:
+        >>> net = ampgraph.compile(model, amp_level="O2", dtype="bf16")
+        >>> logits = net(x)
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"ampgraph.compile expects a torch.nn.Module, got {type(model).__name__}; "
+            "wrap a function in an nn.Module first"
+        )
+    config = AmpConfig.create(
+        amp_level=amp_level,
+        dtype=dtype,
+        keep_batchnorm_fp32=keep_batchnorm_fp32,
+        custom_allow=custom_allow,
+        custom_deny=custom_deny,
+        module_overrides=dict(module_overrides or {}),
+        keep_io_types=keep_io_types,
+    )
+    low = torch.float32 if config.amp_level == "O0" else resolve_dtype(
+        config.dtype, model_device(model))
+    if isinstance(model, AmpModule):
+        if model.amp_config == config and model.amp_dtype == low:
+            return model
+        raise ValueError(
+            f"this module was already compiled at {model.amp_config.amp_level} "
+            f"({model.amp_dtype}); compile the original module "
+            "(net.original_module) instead of compiling twice"
+        )
+    config.policy(low)  # raise on contradictory overrides now, not at the first call
+    return AmpModule(model, config, low)

@@ -1,0 +1,230 @@
+"""AmpModule: the module ``ampgraph.compile`` returns.
+
+It shares its parameter, buffer and submodule dicts with the user's model, so
+``parameters()``, ``state_dict()``, ``.to()`` and optimizers see the user's fp32 master
+weights under the user's names. ``forward`` runs a captured, cast-rewritten graph chosen
+by (train/eval mode, input structure), capturing again when either changes. A model that
+cannot be exported whole runs its own code eagerly in fp32 with each child compiled on
+its own (recursively), and ``explain`` says which parts stayed eager and why.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from ampgraph.capture import Captured, export_module, share_state, signature, unflatten_output
+from ampgraph.config import AmpConfig, dtype_name
+from passes.fx import run_amp_passes
+from passes.fx.graph import module_info, op_key
+from passes.policy import FP32, LOW, NA
+
+MAX_GRAPHS_PER_SIGNATURE = 8
+
+
+@dataclass
+class Compiled:
+    """A captured graph after the AMP passes, with its decisions for ``explain``."""
+
+    captured: Captured
+    decisions: dict
+    casts: int
+
+    @property
+    def gm(self) -> fx.GraphModule:
+        return self.captured.gm
+
+
+@dataclass
+class EagerPart:
+    """A module that could not be captured and runs its own code eagerly in fp32."""
+
+    path: str
+    module_type: str
+    reason: str
+
+
+class AmpModule(nn.Module):
+    """A model rewritten for mixed precision; see :func:`ampgraph.compile`."""
+
+    def __init__(self, model: nn.Module, config: AmpConfig, low: torch.dtype, path: str = ""):
+        super().__init__()
+        share_state(self, model)
+        self.__dict__.update(
+            _amp_model=model, amp_config=config, amp_dtype=low, _amp_path=path,
+            _amp_graphs=OrderedDict(), _amp_lock=threading.RLock(), _amp_eager=None,
+            _amp_eager_reason=None, _amp_last=None,
+        )
+        self._amp_policy = config.policy(low)
+
+    # -- nn.Module plumbing -------------------------------------------------------------
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            model = self.__dict__.get("_amp_model")
+            if model is None:
+                raise
+            return getattr(model, name)
+
+    def train(self, mode: bool = True) -> AmpModule:
+        super().train(mode)
+        self._amp_model.train(mode)
+        if self._amp_eager is not None:
+            self._amp_eager.train(mode)
+        return self
+
+    def extra_repr(self) -> str:
+        cfg = self.amp_config
+        return (f"level={cfg.amp_level}, dtype={dtype_name(self.amp_dtype)}, "
+                f"model={type(self._amp_model).__name__}")
+
+    @property
+    def original_module(self) -> nn.Module:
+        """The user's module (shares all parameters with this one)."""
+        return self._amp_model
+
+    # -- execution ------------------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        compiled = self._compiled_for(args, kwargs)
+        if compiled is None:
+            return self._amp_eager(*args, **kwargs)
+        flat = compiled.gm(tuple(args), dict(kwargs))
+        return unflatten_output(compiled.captured.out_spec, flat)
+
+    def _compiled_for(self, args: tuple, kwargs: dict) -> Compiled | None:
+        with self._amp_lock:
+            if self._amp_eager is not None:
+                return None
+            key = (self.training, signature(args, kwargs))
+            graphs = self._amp_graphs.setdefault(key, [])
+            for compiled in graphs:
+                if compiled.captured.accepts(args, kwargs):
+                    self.__dict__["_amp_last"] = compiled
+                    return compiled
+            compiled = self._capture(args, kwargs)
+            if compiled is None:
+                return None
+            graphs.insert(0, compiled)
+            del graphs[MAX_GRAPHS_PER_SIGNATURE:]
+            self.__dict__["_amp_last"] = compiled
+            return compiled
+
+    def _capture(self, args: tuple, kwargs: dict) -> Compiled | None:
+        model = self._amp_model
+        model.train(self.training)
+        try:
+            captured = export_module(model, args, kwargs)
+        except Exception as exc:  # untraceable code: compile the children on their own
+            self._go_eager(f"torch.export failed: {_first_line(exc)}")
+            return None
+        try:
+            result = run_amp_passes(captured.gm, self._amp_policy, self.amp_dtype,
+                                    keep_io_types=self.amp_config.keep_io_types)
+        except Exception as exc:
+            self._go_eager(f"ampgraph pass failed: {_first_line(exc)}")
+            return None
+        return Compiled(captured, result.decisions, result.casts)
+
+    def _go_eager(self, reason: str) -> None:
+        model = self._amp_model
+        where = self._amp_path or type(model).__name__
+        warnings.warn(
+            f"ampgraph: {where} could not be captured whole ({reason}); its own code runs "
+            "eagerly in fp32 and each submodule is compiled separately. "
+            "ampgraph.explain(model) lists what stayed eager.",
+            UserWarning,
+            stacklevel=4,
+        )
+        self.__dict__["_amp_eager_reason"] = reason
+        self.__dict__["_amp_eager"] = eager_plan(model, self.amp_config, self.amp_dtype,
+                                                  self._amp_path, self._amp_policy)
+
+    # -- reporting ------------------------------------------------------------------------
+
+    def _amp_parts(self) -> tuple[list[tuple[str, Compiled]], list[EagerPart]]:
+        """(compiled graphs with their module prefix, eager parts) of the last run."""
+        if self._amp_eager is None:
+            last = self._amp_last
+            return ([(self._amp_path, last)] if last is not None else []), []
+        graphs: list[tuple[str, Compiled]] = []
+        eager = [EagerPart(self._amp_path or "<root>", type(self._amp_model).__name__,
+                           self._amp_eager_reason or "")]
+        for sub in _amp_children(self._amp_eager):
+            g, e = sub._amp_parts()
+            graphs += g
+            eager += e
+        return graphs, eager
+
+
+def _amp_children(module: nn.Module) -> list[AmpModule]:
+    out = []
+    for child in module.children():
+        if isinstance(child, AmpModule):
+            out.append(child)
+        else:
+            out += _amp_children(child)
+    return out
+
+
+def eager_plan(model: nn.Module, config: AmpConfig, low: torch.dtype, path: str,
+               policy: Any) -> nn.Module:
+    """A shallow copy of ``model`` whose children are compiled on their own.
+
+    Containers without a forward of their own (ModuleList, ModuleDict) are copied the
+    same way; a module without children runs as it is, in fp32.
+    """
+    plan = copy.copy(model)
+    children = OrderedDict()
+    for name, child in model._modules.items():
+        sub = f"{path}.{name}" if path else name
+        if child is None:
+            children[name] = None
+        elif type(child).forward is nn.Module.forward:
+            children[name] = eager_plan(child, config, low, sub, policy)
+        else:
+            children[name] = AmpModule(child, config, low, sub)
+            children[name].__dict__["_amp_policy"] = policy
+    plan.__dict__["_modules"] = children
+    return plan
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
+
+
+def node_rows(prefix: str, compiled: Compiled, low: torch.dtype) -> list[dict[str, str]]:
+    """One row per original graph node: name, op, module, precision, reason."""
+    rows = []
+    for node in compiled.gm.graph.nodes:
+        if node.op in ("output", "call_module") or node.meta.get("amp_cast"):
+            continue
+        decision = compiled.decisions.get(node.name)
+        path, _ = module_info(node)
+        if node.op == "get_attr":
+            path = node.target.rpartition(".")[0]
+        module = ".".join(p for p in (prefix, path) if p)
+        precision = decision.precision if decision else NA
+        reason = decision.reason if decision else node.meta.get("amp_reason", "")
+        if precision == LOW:
+            precision = dtype_name(low)
+        elif precision == NA and decision is not None:
+            val = node.meta.get("amp_orig_val", node.meta.get("val"))
+            if isinstance(val, torch.Tensor) and val.dtype in (torch.float32, torch.float16,
+                                                               torch.bfloat16):
+                precision = dtype_name(node.meta.get("val").dtype)
+        elif precision == FP32:
+            precision = "fp32"
+        rows.append({"name": node.name, "op": op_key(node) if node.op == "call_function"
+                     else node.op, "module": module, "precision": precision, "reason": reason})
+    return rows

@@ -1,0 +1,47 @@
+"""The FX AMP pipeline: prepare -> build dataflow -> paint -> annotate -> casts -> fold -> verify."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from passes.fx.casts import annotate, count_casts, fold_casts, insert_casts
+from passes.fx.graph import build_dataflow, prepare
+from passes.fx.verify import verify
+from passes.paint import Decision, paint
+from passes.policy import LevelPolicy
+
+
+@dataclass
+class FxAmpResult:
+    """The rewritten module and what the passes decided."""
+
+    gm: fx.GraphModule
+    decisions: dict[str, Decision]
+    casts: int
+
+
+def run_amp_passes(
+    gm: fx.GraphModule, policy: LevelPolicy, low: torch.dtype, *, keep_io_types: bool = True
+) -> FxAmpResult:
+    """Rewrite ``gm`` in place for mixed precision and verify the result.
+
+    Args:
+        gm: an aten-level graph from ``torch.export`` (nodes carry fake-tensor ``val``).
+        policy: from ``passes.policy.make_policy``.
+        low: torch.bfloat16 or torch.float16.
+        keep_io_types: cast float outputs back to their original dtype.
+
+    Example:
+        >>> run_amp_passes(ep.module(), make_policy("O2"), torch.bfloat16).casts
+        7
+    """
+    prepare(gm)
+    decisions = paint(build_dataflow(gm), policy)
+    annotate(gm, decisions)
+    insert_casts(gm, low, keep_io_types=keep_io_types)
+    fold_casts(gm)
+    verify(gm, low)
+    return FxAmpResult(gm, decisions, count_casts(gm))

@@ -1,0 +1,356 @@
+"""Precision policy as data: op classes per dialect, level tables, user overrides.
+
+Every op belongs to one of four classes (the TensorFlow grappler vocabulary):
+
+- ``ALLOW``: always worth running in low precision (matrix multiply, convolution).
+- ``INFER``: low precision when fed low precision (elementwise math, activations).
+- ``DENY``: numerically fragile, always FP32 at O1/O2 (norms, softmax, losses,
+  transcendental ops, large reductions).
+- ``CLEAR``: moves data without arithmetic and follows its neighbours.
+
+Adding an op is one line in a group below; each group says why it is there. Ops not
+listed are ``INFER``. Keys are dialect-qualified op names: ``aten.softmax`` for FX
+(an overload such as ``aten.softmax.int`` may be listed too, it wins), plain ONNX op
+types (``Softmax``) for ONNX.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+ALLOW = "allow"
+INFER = "infer"
+DENY = "deny"
+CLEAR = "clear"
+CLASSES = (ALLOW, INFER, DENY, CLEAR)
+
+LOW = "low"
+FP32 = "fp32"
+NA = "n/a"
+
+LEVELS = ("O0", "O1", "O2", "O3")
+
+# Group name -> (class, reason, ops). The NORM group is separate because
+# keep_batchnorm_fp32 moves it between DENY and the low-precision side.
+NORM = "norm"
+
+
+@dataclass(frozen=True)
+class OpGroup:
+    """A named set of ops sharing a class and a reason."""
+
+    name: str
+    cls: str
+    reason: str
+    ops: frozenset[str]
+
+
+def _group(name: str, cls: str, reason: str, ops: str) -> OpGroup:
+    return OpGroup(name, cls, reason, frozenset(ops.split()))
+
+
+FX_GROUPS: tuple[OpGroup, ...] = (
+    _group(
+        "matmul", ALLOW,
+        "matrix multiply: Tensor Cores / AMX / AVX512-BF16 run it several times faster "
+        "and accumulate in fp32",
+        "aten.linear aten.addmm aten.mm aten.bmm aten.matmul aten.baddbmm aten.addbmm "
+        "aten.addmv aten.addr aten.mv aten.einsum aten.chain_matmul aten.linalg_multi_dot "
+        "aten._addmm_activation aten.bilinear",
+    ),
+    _group(
+        "conv", ALLOW,
+        "convolution: Tensor Cores / AMX run it several times faster and accumulate in fp32",
+        "aten.conv1d aten.conv2d aten.conv3d aten.convolution aten._convolution "
+        "aten.conv_transpose1d aten.conv_transpose2d aten.conv_transpose3d "
+        "aten.cudnn_convolution aten.mkldnn_convolution aten.conv_tbc",
+    ),
+    _group(
+        "attention", ALLOW,
+        "fused attention: matmul-bound, its kernels keep softmax statistics in fp32",
+        "aten.scaled_dot_product_attention aten._scaled_dot_product_flash_attention "
+        "aten._scaled_dot_product_efficient_attention aten._scaled_dot_product_cudnn_attention "
+        "aten._scaled_dot_product_flash_attention_for_cpu",
+    ),
+    _group(
+        "rnn", ALLOW,
+        "recurrent cells: a matmul per step dominates",
+        "aten.lstm aten.gru aten.rnn_tanh aten.rnn_relu aten.lstm_cell aten.gru_cell "
+        "aten.rnn_tanh_cell aten.rnn_relu_cell aten.prelu aten._prelu_kernel",
+    ),
+    _group(
+        NORM, DENY,
+        "normalisation: mean/variance statistics lose precision in 16 bits",
+        "aten.batch_norm aten.native_batch_norm aten._native_batch_norm_legit "
+        "aten._native_batch_norm_legit_functional aten._native_batch_norm_legit_no_training "
+        "aten.cudnn_batch_norm aten.layer_norm aten.native_layer_norm aten.group_norm "
+        "aten.native_group_norm aten.instance_norm aten.rms_norm aten._fused_rms_norm "
+        "aten.local_response_norm",
+    ),
+    _group(
+        "softmax", DENY,
+        "softmax family: exp of large logits overflows and the normalising sum loses precision",
+        "aten.softmax aten._softmax aten.log_softmax aten._log_softmax aten._safe_softmax",
+    ),
+    _group(
+        "loss", DENY,
+        "loss: computed in fp32 so small per-sample losses and their gradients survive",
+        "aten.cross_entropy_loss aten.nll_loss aten.nll_loss2d aten.nll_loss_nd "
+        "aten.nll_loss_forward aten.mse_loss aten.l1_loss aten.smooth_l1_loss aten.huber_loss "
+        "aten.binary_cross_entropy aten.binary_cross_entropy_with_logits aten.kl_div "
+        "aten.soft_margin_loss aten.multilabel_margin_loss aten.margin_ranking_loss "
+        "aten.hinge_embedding_loss aten.cosine_embedding_loss aten.poisson_nll_loss "
+        "aten.ctc_loss aten.multi_margin_loss aten.triplet_margin_loss",
+    ),
+    _group(
+        "transcendental", DENY,
+        "|f(x)| can be far larger or smaller than |x|: the result leaves the 16-bit range",
+        "aten.exp aten.exp2 aten.expm1 aten.log aten.log10 aten.log1p aten.log2 aten.pow "
+        "aten.reciprocal aten.rsqrt aten.sinh aten.cosh aten.tan aten.acos aten.asin "
+        "aten.erfinv aten.softplus aten.xlogy aten.special_xlog1py aten.logit",
+    ),
+    _group(
+        "reduction", DENY,
+        "large reduction: a 16-bit accumulator drops the small terms",
+        "aten.sum aten.mean aten.prod aten.cumsum aten.cumprod aten.norm "
+        "aten.linalg_vector_norm aten.linalg_norm aten.frobenius_norm aten.var aten.std "
+        "aten.var_mean aten.std_mean aten.logsumexp aten.logcumsumexp aten.nansum "
+        "aten.nanmean aten.dist aten.cdist aten._cdist_forward aten.pdist aten.renorm "
+        "aten.cosine_similarity",
+    ),
+    _group(
+        "data", CLEAR,
+        "moves or selects data without arithmetic: follows its neighbours' precision",
+        "aten.view aten.reshape aten._unsafe_view aten.permute aten.transpose aten.t "
+        "aten.expand aten.expand_as aten.squeeze aten.unsqueeze aten.flatten aten.unflatten "
+        "aten.contiguous aten.clone aten.slice aten.select aten.narrow aten.split "
+        "aten.split_with_sizes aten.chunk aten.unbind aten.cat aten.concat aten.stack "
+        "aten.gather aten.index aten.index_select aten.embedding aten.pad "
+        "aten.constant_pad_nd aten.flip aten.roll aten.repeat aten.tile aten.detach "
+        "aten.alias aten.movedim aten.swapaxes aten.pixel_shuffle aten.pixel_unshuffle "
+        "aten.upsample_nearest1d aten.upsample_nearest2d aten.upsample_nearest3d "
+        "aten.zeros_like aten.ones_like aten.empty_like aten.full_like aten.new_zeros "
+        "aten.new_ones aten.new_empty aten.new_full aten.masked_fill aten.where "
+        "aten.relu aten.max_pool1d aten.max_pool2d aten.max_pool3d "
+        "aten.max_pool2d_with_indices aten.max_pool3d_with_indices aten.adaptive_max_pool1d "
+        "aten.adaptive_max_pool2d aten.adaptive_max_pool3d aten.maximum aten.minimum "
+        "aten.max aten.min aten.amax aten.amin aten.topk aten.sort aten.lift_fresh_copy "
+        "getitem",
+    ),
+)
+
+
+@dataclass(frozen=True)
+class OpInfo:
+    """What the policy says of one op: its class, group and reason."""
+
+    cls: str
+    group: str
+    reason: str
+
+
+DEFAULT_INFO = OpInfo(
+    INFER, "default", "not in the policy tables: elementwise by default, follows its inputs"
+)
+
+
+class OpTable:
+    """Lookup from op key to :class:`OpInfo`, built from groups.
+
+    A key ``aten.softmax.int`` is looked up as itself, then as its packet ``aten.softmax``;
+    an in-place variant ``aten.relu_`` falls back to ``aten.relu``.
+    """
+
+    def __init__(self, groups: Iterable[OpGroup]):
+        self.groups = tuple(groups)
+        self._info: dict[str, OpInfo] = {}
+        for g in self.groups:
+            for op in g.ops:
+                if op in self._info:
+                    raise ValueError(f"op {op!r} is listed in two policy groups")
+                self._info[op] = OpInfo(g.cls, g.name, g.reason)
+
+    def __contains__(self, key: str) -> bool:
+        return self.lookup(key) is not None
+
+    def lookup(self, key: str) -> OpInfo | None:
+        for candidate in _key_candidates(key):
+            if candidate in self._info:
+                return self._info[candidate]
+        return None
+
+    def info(self, key: str) -> OpInfo:
+        return self.lookup(key) or DEFAULT_INFO
+
+
+def _key_candidates(key: str) -> list[str]:
+    out = [key]
+    parts = key.split(".")
+    if len(parts) >= 3:  # aten.softmax.int -> aten.softmax
+        out.append(".".join(parts[:2]))
+    base = out[-1]
+    if base.endswith("_") and not base.endswith("__"):  # in-place: aten.relu_ -> aten.relu
+        out.append(base[:-1])
+    return out
+
+
+FX_TABLE = OpTable(FX_GROUPS)
+
+
+# What each level does with each class. "paint" means the grappler painting rules decide;
+# "follow" means the node takes the precision of its compute neighbours.
+LEVEL_TABLE: dict[str, dict[str, str]] = {
+    "O0": {ALLOW: FP32, INFER: FP32, DENY: FP32, CLEAR: FP32},
+    "O1": {ALLOW: LOW, INFER: "paint", DENY: FP32, CLEAR: "paint"},
+    "O2": {ALLOW: LOW, INFER: LOW, DENY: FP32, CLEAR: "follow"},
+    "O3": {ALLOW: LOW, INFER: LOW, DENY: LOW, CLEAR: LOW},
+}
+LEVEL_REASON = {
+    "O0": "O0: everything fp32",
+    "O1": "O1",
+    "O2": "O2: whole network low precision except deny ops",
+    "O3": "O3: everything low precision",
+}
+KEEP_NORM_FP32_DEFAULT = {"O0": True, "O1": True, "O2": True, "O3": False}
+
+
+@dataclass(frozen=True)
+class Overrides:
+    """User overrides, normalised.
+
+    Attributes:
+        ops: op key -> class (ALLOW or DENY), from custom_allow/custom_deny op names.
+        modules: (pattern or class name, precision LOW/FP32, origin) in the order given;
+            the most specific match (longest path) wins.
+    """
+
+    ops: Mapping[str, str] = field(default_factory=dict)
+    modules: tuple[tuple[str, str, str], ...] = ()
+
+    def op_class(self, key: str) -> str | None:
+        for candidate in _key_candidates(key):
+            if candidate in self.ops:
+                return self.ops[candidate]
+        return None
+
+    def module_precision(self, path: str, classes: Iterable[str]) -> tuple[str, str] | None:
+        """Precision forced on a node by module path/class overrides, with the reason."""
+        best: tuple[int, str, str] | None = None
+        classes = tuple(classes)
+        for pattern, precision, origin in self.modules:
+            score = _module_match(pattern, path, classes)
+            if score is not None and (best is None or score >= best[0]):
+                best = (score, precision, f"{origin} {pattern!r}")
+        return None if best is None else (best[1], best[2])
+
+
+def _module_match(pattern: str, path: str, classes: tuple[str, ...]) -> int | None:
+    if pattern.startswith("class:"):
+        name = pattern[len("class:"):]
+        return 0 if any(c == name or c.rsplit(".", 1)[-1] == name for c in classes) else None
+    if not path:
+        return None
+    parts = path.split(".")
+    for i in range(len(parts), 0, -1):  # the path itself or any ancestor
+        prefix = ".".join(parts[:i])
+        if fnmatch.fnmatchcase(prefix, pattern):
+            return i
+    return None
+
+
+@dataclass(frozen=True)
+class LevelPolicy:
+    """Everything the painter needs for one compile: level, norm handling, overrides."""
+
+    level: str
+    keep_norm_fp32: bool
+    table: OpTable
+    overrides: Overrides = field(default_factory=Overrides)
+
+    def op_info(self, key: str) -> OpInfo:
+        """Class and reason for an op key, with user overrides and the norm switch applied."""
+        forced = self.overrides.op_class(key)
+        if forced is not None:
+            origin = "custom_allow" if forced == ALLOW else "custom_deny"
+            return OpInfo(forced, origin, f"{origin}: forced by the user")
+        info = self.table.info(key)
+        if info.group == NORM:
+            if self.keep_norm_fp32:
+                return OpInfo(DENY, NORM, info.reason + " (keep_batchnorm_fp32=True)")
+            return OpInfo(INFER, NORM, "normalisation in low precision (keep_batchnorm_fp32=False)")
+        return info
+
+    def base(self, cls: str) -> str:
+        return LEVEL_TABLE[self.level][cls]
+
+
+def make_policy(
+    level: str,
+    *,
+    table: OpTable = FX_TABLE,
+    keep_norm_fp32: bool | None = None,
+    allow_ops: Iterable[str] = (),
+    deny_ops: Iterable[str] = (),
+    module_rules: Iterable[tuple[str, str, str]] = (),
+) -> LevelPolicy:
+    """Build the policy of one compile, rejecting contradictory overrides.
+
+    Args:
+        level: "O0".."O3".
+        table: the dialect's op table.
+        keep_norm_fp32: None takes the level's default.
+        allow_ops / deny_ops: op keys forced to ALLOW / DENY.
+        module_rules: (pattern, LOW|FP32, origin) module-path or ``class:Name`` rules.
+
+    Raises:
+        ValueError: unknown level, an op both allowed and denied, or one module pattern
+            given two precisions.
+    """
+    if level not in LEVEL_TABLE:
+        raise ValueError(f"unknown amp_level {level!r}: choose one of O0, O1, O2, O3")
+    ops: dict[str, str] = {}
+    for cls, keys in ((ALLOW, allow_ops), (DENY, deny_ops)):
+        for key in keys:
+            if ops.get(key, cls) != cls:
+                raise ValueError(
+                    f"conflicting overrides: op {key!r} is in both custom_allow and custom_deny; "
+                    "remove it from one of them"
+                )
+            ops[key] = cls
+    seen: dict[str, tuple[str, str]] = {}
+    rules = []
+    for pattern, precision, origin in module_rules:
+        if pattern in seen and seen[pattern][0] != precision:
+            raise ValueError(
+                f"conflicting overrides: module {pattern!r} is {seen[pattern][0]} by "
+                f"{seen[pattern][1]} and {precision} by {origin}; keep one"
+            )
+        seen[pattern] = (precision, origin)
+        rules.append((pattern, precision, origin))
+    if keep_norm_fp32 is None:
+        keep_norm_fp32 = KEEP_NORM_FP32_DEFAULT[level]
+    return LevelPolicy(level, keep_norm_fp32, table, Overrides(ops, tuple(rules)))
+
+
+# Inputs an op must receive in their original dtype whatever the op's precision: running
+# statistics are updated in place (a cast copy would lose the update), and mixed-precision
+# batch norm kernels take fp32 affine parameters with low-precision activations.
+FX_FIXED_SLOTS: dict[str, tuple[int, ...]] = {
+    "aten.batch_norm": (1, 2, 3, 4),
+    "aten.native_batch_norm": (1, 2, 3, 4),
+    "aten._native_batch_norm_legit": (1, 2, 3, 4),
+    "aten._native_batch_norm_legit_functional": (1, 2, 3, 4),
+    "aten._native_batch_norm_legit_no_training": (1, 2, 3, 4),
+    "aten.cudnn_batch_norm": (1, 2, 3, 4),
+    "aten.instance_norm": (3, 4),
+}
+
+
+def fixed_slots(key: str, table: Mapping[str, tuple[int, ...]] = FX_FIXED_SLOTS) -> tuple:
+    """Argument positions of ``key`` that keep their original dtype."""
+    for candidate in _key_candidates(key):
+        if candidate in table:
+            return table[candidate]
+    return ()
