@@ -63,7 +63,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         keep_batchnorm_fp32=keep_batchnorm_fp32,
         custom_allow=custom_allow,
         custom_deny=custom_deny,
-        module_overrides=dict(module_overrides or {}),
+        module_overrides={} if module_overrides is None else module_overrides,
         keep_io_types=keep_io_types,
     )
     low = torch.float32 if config.amp_level == "O0" else resolve_dtype(

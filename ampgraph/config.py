@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from passes.policy import FP32, LEVELS, LOW, FX_TABLE, LevelPolicy, make_policy
+from passes.policy import FP32, FX_TABLE, LEVELS, LOW, LevelPolicy, make_policy
 
 DTYPE_NAMES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
                "fp16": torch.float16, "float16": torch.float16, "half": torch.float16}
@@ -97,6 +97,8 @@ def _op_key(name: str) -> str | None:
     parts = name.split(".")
     if parts[0] == "aten":
         parts = parts[1:]
+    if parts[-1] == "default":  # torch names default overloads without a suffix
+        parts = parts[:-1]
     if parts and hasattr(torch.ops.aten, parts[0]):
         return ".".join(["aten", *parts])
     return None
@@ -160,6 +162,7 @@ class AmpConfig:
             object.__setattr__(self, "module_overrides", {})
         if not isinstance(self.module_overrides, Mapping):
             raise TypeError('module_overrides must be a dict like {"classifier": "fp32"}')
+        object.__setattr__(self, "module_overrides", dict(self.module_overrides))
         for path, precision in self.module_overrides.items():
             if str(precision).lower() not in PRECISIONS:
                 raise ValueError(

@@ -90,7 +90,7 @@ def paint(graph: nx.DiGraph, policy: LevelPolicy) -> Assignment:
         if forced is not None:
             out[v] = Decision(forced[0], f"module override: {forced[1]}", info.cls)
             continue
-        base = policy.base(info.cls)
+        base = policy.base(info)
         if base in (LOW, FP32):
             out[v] = Decision(base, _fixed_reason(info.cls, info.reason, policy.level), info.cls)
         else:
@@ -107,6 +107,8 @@ def paint(graph: nx.DiGraph, policy: LevelPolicy) -> Assignment:
 
 
 def _fixed_reason(cls: str, reason: str, level: str) -> str:
+    if reason.startswith("custom_"):
+        return reason
     if cls == ALLOW:
         return f"allow list: {reason}"
     if cls == DENY:

@@ -213,6 +213,9 @@ LEVEL_REASON = {
     "O2": "O2: whole network low precision except deny ops",
     "O3": "O3: everything low precision",
 }
+# Groups whose precision holds at every level but O0: the user asked for it.
+NORM_FP32 = "norm_fp32"
+FORCED_GROUPS = {"custom_allow": LOW, "custom_deny": FP32, NORM_FP32: FP32}
 KEEP_NORM_FP32_DEFAULT = {"O0": True, "O1": True, "O2": True, "O3": False}
 
 
@@ -278,12 +281,16 @@ class LevelPolicy:
         info = self.table.info(key)
         if info.group == NORM:
             if self.keep_norm_fp32:
-                return OpInfo(DENY, NORM, info.reason + " (keep_batchnorm_fp32=True)")
+                return OpInfo(DENY, NORM_FP32, info.reason + " (keep_batchnorm_fp32=True)")
             return OpInfo(INFER, NORM, "normalisation in low precision (keep_batchnorm_fp32=False)")
         return info
 
-    def base(self, cls: str) -> str:
-        return LEVEL_TABLE[self.level][cls]
+    def base(self, info: OpInfo) -> str:
+        """LOW, FP32, "paint" or "follow" for an op at this level; user op overrides are
+        absolute (custom_deny stays fp32 even at O3)."""
+        if self.level != "O0" and info.group in FORCED_GROUPS:
+            return FORCED_GROUPS[info.group]
+        return LEVEL_TABLE[self.level][info.cls]
 
 
 def make_policy(

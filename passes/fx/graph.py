@@ -71,7 +71,9 @@ def classify(node: fx.Node) -> tuple[str, str]:
     """(kind, reason) of a node for the painter."""
     val = node.meta.get("val")
     if node.op == "placeholder":
-        return (SOURCE, "graph input: cast on use") if is_float(val) else (NONFLOAT, "non-float input")
+        if is_float(val):
+            return SOURCE, "graph input: cast on use"
+        return NONFLOAT, "non-float input"
     if node.op == "get_attr":
         if is_float(val):
             return SOURCE, "parameter/buffer: stays fp32 (master weight), cast once per forward"

@@ -1,4 +1,4 @@
-"""The FX AMP pipeline: prepare -> build dataflow -> paint -> annotate -> casts -> fold -> verify."""
+"""The FX AMP pipeline: prepare, dataflow, paint, annotate, casts, fold, verify."""
 
 from __future__ import annotations
 

@@ -1,0 +1,171 @@
+"""ampgraph.compile: the user-visible contract."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import ampgraph
+from tests.helpers import cosine, make
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.norm = nn.LayerNorm(16)
+        self.fc2 = nn.Linear(16, 4)
+
+    def forward(self, x, scale: float = 1.0):
+        return self.fc2(torch.relu(self.norm(self.fc1(x)))) * scale
+
+
+def test_parameters_shared_and_fp32_state_dict_same_keys():
+    model = Tiny()
+    net = ampgraph.compile(model, "O2", "bf16")
+    assert [id(p) for p in net.parameters()] == [id(p) for p in model.parameters()]
+    assert list(net.state_dict()) == list(model.state_dict())
+    net(torch.randn(3, 8))
+    assert all(v.dtype == torch.float32 for v in net.state_dict().values())
+    # an optimizer built on the user's model trains through the compiled one
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    w = model.fc1.weight.detach().clone()
+    net(torch.randn(3, 8)).sum().backward()
+    assert model.fc1.weight.grad is not None and model.fc1.weight.grad.dtype == torch.float32
+    opt.step()
+    assert not torch.equal(w, model.fc1.weight)
+    # load_state_dict through the compiled module reaches the user's model
+    sd = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
+    net.load_state_dict(sd)
+    assert torch.count_nonzero(model.fc1.weight) == 0
+
+
+def test_new_batch_sizes_and_sequence_lengths_reuse_or_recapture():
+    model, (ids, mask) = make("bert_encoder")
+    model.eval()
+    net = ampgraph.compile(model, "O2", "bf16")
+    for n, seq in ((2, 16), (5, 16), (3, 9), (7, 24)):
+        ids = torch.randint(1, 100, (n, seq))
+        mask = torch.ones(n, seq, dtype=torch.long)
+        with torch.no_grad():
+            out, ref = net(ids, mask), model(ids, mask)
+        assert out.shape == ref.shape and cosine(out, ref) > 0.999
+    graphs = sum(len(v) for v in net._amp_graphs.values())
+    assert graphs <= 2, f"dynamic batch and sequence should not recapture each time ({graphs})"
+
+
+def test_train_eval_switching_recaptures_per_mode():
+    model, (x,) = make("resnet")
+    net = ampgraph.compile(model, "O2", "bf16")
+    net.train()
+    before = model.bn1.running_mean.clone() if hasattr(model, "bn1") else None
+    net(x)
+    running = [b for n, b in model.named_buffers() if n.endswith("running_mean")][0]
+    assert not torch.equal(running, torch.zeros_like(running)), "BN stats update in train mode"
+    net.eval()
+    assert not model.training
+    snapshot = running.clone()
+    with torch.no_grad():
+        net(x)
+    assert torch.equal(snapshot, running), "eval mode does not touch running stats"
+    assert {k[0] for k in net._amp_graphs} == {True, False}
+    del before
+
+
+def test_keyword_inputs_and_non_tensor_arguments():
+    model = Tiny()
+    net = ampgraph.compile(model, "O2", "bf16")
+    x = torch.randn(2, 8)
+    torch.testing.assert_close(net(x=x, scale=2.0), model(x=x, scale=2.0), rtol=0.05, atol=0.05)
+    torch.testing.assert_close(net(x, scale=0.5), model(x, scale=0.5), rtol=0.05, atol=0.05)
+
+
+@dataclasses.dataclass
+class Out:
+    logits: torch.Tensor
+    ids: torch.Tensor
+    double: torch.Tensor
+    name: str
+
+
+class Mixed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x, ids, d):
+        y = self.fc(x)
+        return {"out": Out(y, ids + 1, d * 2, "tag"), "pair": (y.argmax(-1), y.sum())}
+
+
+def test_dict_and_dataclass_outputs_int_and_fp64_untouched():
+    model = Mixed()
+    net = ampgraph.compile(model, "O3", "bf16")
+    x, ids, d = torch.randn(2, 4), torch.arange(2), torch.randn(2, dtype=torch.float64)
+    out = net(x, ids, d)
+    assert isinstance(out["out"], Out) and out["out"].name == "tag"
+    assert out["out"].logits.dtype == torch.float32
+    assert out["out"].ids.dtype == torch.int64 and torch.equal(out["out"].ids, ids + 1)
+    assert out["out"].double.dtype == torch.float64 and torch.equal(out["out"].double, d * 2)
+    assert out["pair"][0].dtype == torch.int64
+
+
+def test_keep_io_types_false_returns_low_precision():
+    net = ampgraph.compile(Tiny(), "O3", "bf16", keep_io_types=False)
+    assert net(torch.randn(2, 8)).dtype == torch.bfloat16
+
+
+def test_tied_weights_cast_once():
+    model, (ids,) = make("gpt_decoder")
+    net = ampgraph.compile(model, "O2", "bf16")
+    net(ids)
+    gm = net._amp_last.gm
+    tied = model.tok_emb.weight if hasattr(model, "tok_emb") else None
+    casts_of = [n for n in gm.graph.nodes if n.meta.get("amp_cast") and n.args[0].op == "get_attr"]
+    targets = [n.args[0].target for n in casts_of]
+    assert len(targets) == len(set(targets))
+    if tied is not None:
+        tied_casts = [t for t in targets if gm.get_parameter(t) is tied]
+        assert len(tied_casts) <= 1
+
+
+def test_compiling_twice_is_a_no_op_or_rejected():
+    net = ampgraph.compile(Tiny(), "O2", "bf16")
+    assert ampgraph.compile(net, "O2", "bf16") is net
+    with pytest.raises(ValueError, match="already compiled"):
+        ampgraph.compile(net, "O3", "bf16")
+
+
+def test_threads_get_the_same_results_as_sequential_calls():
+    model = Tiny().eval()
+    net = ampgraph.compile(model, "O2", "bf16")
+    xs = [torch.randn(3, 8) for _ in range(8)]
+    with torch.no_grad():
+        expected = [net(x) for x in xs]
+    net2 = ampgraph.compile(Tiny().eval(), "O2", "bf16")
+    net2.load_state_dict(model.state_dict())
+    results = [None] * len(xs)
+
+    def work(i):
+        with torch.no_grad():
+            results[i] = net2(xs[i])
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(xs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for r, e in zip(results, expected):
+        torch.testing.assert_close(r, e)
+
+
+def test_model_moved_after_compile_follows():
+    model = Tiny()
+    net = ampgraph.compile(model, "O2", "bf16")
+    net.to(torch.float32)  # .to() reaches the shared parameters
+    assert model.fc1.weight.dtype == torch.float32
+    assert net.fc1 is model.fc1, "attribute access reaches the user's submodules"

@@ -1,0 +1,86 @@
+"""Models that cannot be exported whole fall back per submodule, and say so."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import ampgraph
+from tests.helpers import MATMUL_OPS, cosine, record
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x):
+        return self.norm(torch.relu(self.fc(x)) + x)
+
+
+class DataDependent(nn.Module):
+    """The number of blocks run depends on the input's values: not exportable."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.embed = nn.Linear(8, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(3))
+        self.head = nn.Linear(d, 4)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for block in self.blocks:
+            if h.abs().mean() > 10:  # data-dependent Python control flow
+                break
+            h = block(h)
+        return self.head(h)
+
+
+def test_data_dependent_model_compiles_matches_fp32_and_explain_names_eager_part():
+    torch.manual_seed(0)
+    model = DataDependent().eval()
+    net = ampgraph.compile(model, "O2", "bf16")
+    x = torch.randn(5, 8)
+    with pytest.warns(UserWarning, match="could not be captured whole"):
+        with torch.no_grad():
+            out, rec = record(lambda: net(x))
+    with torch.no_grad():
+        ref = model(x)
+    assert out.dtype == torch.float32
+    assert cosine(out, ref) >= 0.999
+    assert {d[0] for _, d in rec.inputs_of(MATMUL_OPS)} == {torch.bfloat16}, \
+        "the submodules still run their matmuls in bf16"
+    report = ampgraph.explain(net)
+    eager = {e.path: e for e in report.eager}
+    assert "<root>" in eager and "export failed" in eager["<root>"].reason
+    assert "DataDependent" == eager["<root>"].module_type
+    modules = {r["module"] for r in report.nodes}
+    assert {"embed", "head", "blocks.0.fc", "blocks.2.norm"} <= modules
+    assert "EAGER" in str(report)
+    # batch size changes and training still work
+    net.train()
+    y = net(torch.randn(3, 8))
+    y.sum().backward()
+    assert model.head.weight.grad is not None
+
+
+def test_explain_with_inputs_on_eager_model_keeps_buffers():
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+
+    class Wrapper(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = model
+
+        def forward(self, x):
+            return self.inner(x) if x.sum() > -1e9 else x
+
+    w = Wrapper().train()
+    net = ampgraph.compile(w, "O2", "bf16")
+    stats = model[1].running_mean.clone()
+    with pytest.warns(UserWarning):
+        report = ampgraph.explain(net, torch.randn(4, 4))
+    assert torch.equal(stats, model[1].running_mean), "explain must not update running stats"
+    assert report.eager and any(r["op"] == "aten.linear" for r in report.nodes)

@@ -1,0 +1,103 @@
+"""Each reference model at each level: record the aten ops actually executed.
+
+matmul/conv get low-precision inputs at O1-O3; batch/layer norm and softmax get fp32
+inputs at O1/O2 and low-precision inputs at O3; O0 executes no low-precision op; the
+outputs match fp32 (cosine similarity >= 0.999 on the logits).
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import ampgraph
+from tests.helpers import (
+    LOW,
+    MATMUL_OPS,
+    MODEL_NAMES,
+    NORM_OPS,
+    SOFTMAX_OPS,
+    call,
+    cosine,
+    first_tensor,
+    make,
+    record,
+)
+
+LEVELS = ("O0", "O1", "O2", "O3")
+
+
+def _devices():
+    yield "cpu"
+    yield pytest.param("cuda", marks=[
+        pytest.mark.cuda,
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU"),
+    ])
+
+
+def check_level(name: str, level: str, dtype: torch.dtype, device: str, train: bool) -> None:
+    model, inputs = make(name)
+    model = model.to(device)
+    inputs = tuple(t.to(device) for t in inputs)
+    reference = copy.deepcopy(model)
+    model.train(train)
+    reference.train(train)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # fp16 on CPU warns: slow but correct
+        net = ampgraph.compile(model, amp_level=level, dtype=dtype)
+    with torch.no_grad():
+        out, rec = record(lambda: call(net, inputs))
+        expected = call(reference, inputs)
+    got, want = first_tensor(out), first_tensor(expected)
+    assert got.dtype == want.dtype == torch.float32, "keep_io_types: outputs come back fp32"
+    assert torch.isfinite(got).all()
+    # structure: what actually executed
+    if level == "O0":
+        assert not rec.any_low(), "O0 must execute no low-precision op"
+        assert torch.equal(got, want)
+        return
+    mm = rec.inputs_of(MATMUL_OPS)
+    assert mm, "the model runs matrix work"
+    for op, dtypes in mm:
+        floats = [d for d in dtypes if d.is_floating_point]
+        assert all(d == dtype for d in floats[:2]), f"{op} ran with {dtypes} at {level}"
+    fragile = rec.first_input_dtypes(NORM_OPS | SOFTMAX_OPS)
+    if level in ("O1", "O2"):
+        assert fragile <= {torch.float32}, f"norm/softmax inputs {fragile} at {level}"
+    else:
+        assert fragile <= {dtype}, f"norm/softmax inputs {fragile} at O3"
+    # numerics
+    assert cosine(got, want) >= 0.999, f"{name} {level}: cosine {cosine(got, want):.5f}"
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_reference_models_bf16_eval(name, level):
+    check_level(name, level, torch.bfloat16, "cpu", train=False)
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_reference_models_bf16_train_mode(name):
+    check_level(name, "O2", torch.bfloat16, "cpu", train=True)
+
+
+@pytest.mark.parametrize("level", ("O1", "O2", "O3"))
+@pytest.mark.parametrize("name", ("lenet5", "tabular_mlp", "bert_encoder"))
+def test_reference_models_fp16_cpu(name, level):
+    check_level(name, level, torch.float16, "cpu", train=False)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16))
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_reference_models_cuda(name, level, dtype):
+    check_level(name, level, dtype, "cuda", train=False)
+
+
+def test_low_dtypes_are_16_bit():
+    assert set(LOW) == {torch.bfloat16, torch.float16}

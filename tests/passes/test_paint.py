@@ -1,0 +1,97 @@
+"""The dialect-free painter on small hand-built graphs, one rule at a time."""
+
+from __future__ import annotations
+
+import networkx as nx
+import pytest
+
+from passes.paint import paint
+from passes.policy import FP32, LOW, NA, make_policy
+
+
+def chain(*ops, sources=("x",)):
+    g = nx.DiGraph()
+    for s in sources:
+        g.add_node(s, kind="source")
+    prev = sources[0]
+    for i, op in enumerate(ops):
+        name = f"{i}:{op}"
+        g.add_node(name, kind="compute", op=f"aten.{op}")
+        g.add_edge(prev, name)
+        prev = name
+    return g
+
+
+def precisions(g, level, **kw):
+    a = paint(g, make_policy(level, **kw))
+    return {k.split(":")[-1] if ":" in k else k: d.precision for k, d in a.items()}, a
+
+
+def test_o0_everything_fp32_o3_everything_low():
+    g = chain("mm", "softmax", "layer_norm", "gelu")
+    p0, _ = precisions(g, "O0")
+    p3, _ = precisions(g, "O3")
+    assert set(v for k, v in p0.items() if k != "x") == {FP32}
+    assert set(v for k, v in p3.items() if k != "x") == {LOW}
+    assert p0["x"] == NA
+
+
+def test_o1_fill_between_allow_ops_no_cast_pair():
+    p, a = precisions(chain("mm", "gelu", "add", "mm"), "O1")
+    assert p["gelu"] == p["add"] == LOW
+    assert "fill" in a["1:gelu"].reason
+
+
+def test_o1_deny_propagates_through_infer_ops():
+    p, a = precisions(chain("mm", "softmax", "gelu", "add"), "O1")
+    assert p["mm"] == LOW and p["softmax"] == FP32
+    assert p["gelu"] == FP32 and p["add"] == FP32
+    assert "deny propagation" in a["2:gelu"].reason
+
+
+def test_o1_deny_does_not_stop_fill_through_clear_to_allow():
+    p, _ = precisions(chain("softmax", "view", "mm"), "O1")
+    assert p["softmax"] == FP32 and p["view"] == LOW and p["mm"] == LOW
+
+
+def test_o1_infer_after_low_becomes_low_and_clear_spreads():
+    p, _ = precisions(chain("mm", "gelu", "view"), "O1")
+    assert p["gelu"] == LOW and p["view"] == LOW
+
+
+def test_o1_infer_fed_only_by_inputs_stays_fp32():
+    p, _ = precisions(chain("gelu", "add"), "O1")
+    assert p["gelu"] == FP32 and p["add"] == FP32
+
+
+def test_o2_deny_ops_fp32_everything_else_low_clear_follows_fp32_producer():
+    p, a = precisions(chain("mm", "softmax", "view", "mm", "gelu", "layer_norm"), "O2")
+    assert [p[k] for k in ("mm", "softmax", "view", "gelu", "layer_norm")] == \
+        [LOW, FP32, FP32, LOW, FP32]
+    assert "deny list" in a["1:softmax"].reason
+
+
+def test_o2_clear_on_weights_follows_consumers():
+    g = nx.DiGraph()
+    g.add_node("w", kind="source")
+    g.add_node("t", kind="compute", op="aten.t")
+    g.add_node("mm", kind="compute", op="aten.mm")
+    g.add_edges_from([("w", "t"), ("t", "mm")])
+    p, _ = precisions(g, "O2")
+    assert p["t"] == LOW
+
+
+def test_nonfloat_and_module_overrides():
+    g = chain("mm", "gelu")
+    g.add_node("argmax", kind="nonfloat", op="aten.argmax")
+    g.add_edge("1:gelu", "argmax")
+    nx.set_node_attributes(g, {"0:mm": "head"}, "module")
+    p, a = precisions(g, "O3", module_rules=[("head", FP32, "module_overrides")])
+    assert p["argmax"] == NA and p["mm"] == FP32 and "module override" in a["0:mm"].reason
+
+
+@pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])
+def test_every_vertex_gets_a_decision_with_a_reason(level):
+    g = chain("conv2d", "batch_norm", "relu", "mean", "linear", "log_softmax", "nll_loss")
+    a = paint(g, make_policy(level))
+    assert set(a) == set(g.nodes) and all(d.reason for d in a.values())
