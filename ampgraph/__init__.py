@@ -10,15 +10,23 @@ from __future__ import annotations
 
 from ampgraph.api import compile
 from ampgraph.config import AmpConfig
+from ampgraph.loss_scale import DynamicLossScaleManager, FixedLossScaleManager, LossScaleManager
 from ampgraph.module import AmpModule
 from ampgraph.report import PrecisionReport, explain
+from ampgraph.train_step import StepOutput, TrainStep, build_train_step
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AmpConfig",
     "AmpModule",
+    "DynamicLossScaleManager",
+    "FixedLossScaleManager",
+    "LossScaleManager",
     "PrecisionReport",
+    "StepOutput",
+    "TrainStep",
+    "build_train_step",
     "compile",
     "explain",
 ]
