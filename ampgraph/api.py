@@ -22,6 +22,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     custom_deny: Iterable[Any] = (),
     module_overrides: Mapping[str, str] | None = None,
     keep_io_types: bool = True,
+    backend: str | None = None,
 ) -> nn.Module:
     """Rewrite ``model``'s graph for mixed precision at ``amp_level``.
 
@@ -40,6 +41,9 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         custom_deny: op names, module classes or module-path patterns forced to fp32.
         module_overrides: module-path pattern -> "fp32" | "bf16" | "fp16" | "low".
         keep_io_types: cast float outputs back to their original dtype.
+        backend: None runs the rewritten graph eagerly (parameters cast once per forward,
+            inference reuses low-precision working copies); "inductor" hands the rewritten
+            graph to ``torch.compile`` so casts fuse with their neighbours.
 
     Returns:
         An :class:`~ampgraph.AmpModule` sharing ``model``'s parameters.
@@ -65,6 +69,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         custom_deny=custom_deny,
         module_overrides={} if module_overrides is None else module_overrides,
         keep_io_types=keep_io_types,
+        backend=backend,
     )
     low = torch.float32 if config.amp_level == "O0" else resolve_dtype(
         config.dtype, model_device(model))

@@ -128,6 +128,7 @@ class AmpConfig:
     custom_deny: tuple = ()
     module_overrides: Mapping[str, str] = field(default_factory=dict)
     keep_io_types: bool = True
+    backend: str | None = None
 
     @classmethod
     def create(cls, **kwargs: Any) -> AmpConfig:
@@ -151,6 +152,9 @@ class AmpConfig:
             raise ValueError(
                 f"unknown dtype {self.dtype!r}: choose one of {', '.join(DTYPE_CHOICES)}"
             )
+        if self.backend is not None and not isinstance(self.backend, str):
+            raise TypeError('backend must be None (eager) or a torch.compile backend name '
+                            'such as "inductor"')
         if self.keep_batchnorm_fp32 not in (None, True, False):
             raise TypeError("keep_batchnorm_fp32 must be None, True or False")
         for name in ("custom_allow", "custom_deny"):

@@ -20,10 +20,12 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from ampgraph._weights import WeightCache
 from ampgraph.capture import Captured, export_module, share_state, signature, unflatten_output
 from ampgraph.config import AmpConfig, dtype_name
 from passes.fx import run_amp_passes
 from passes.fx.graph import module_info, op_key
+from passes.fx.weights import route_weight_casts
 from passes.policy import FP32, LOW, NA
 
 MAX_GRAPHS_PER_SIGNATURE = 8
@@ -36,6 +38,7 @@ class Compiled:
     captured: Captured
     decisions: dict
     casts: int
+    runner: Any = None  # what forward calls: the graph module, or torch.compile of it
 
     @property
     def gm(self) -> fx.GraphModule:
@@ -60,7 +63,7 @@ class AmpModule(nn.Module):
         self.__dict__.update(
             _amp_model=model, amp_config=config, amp_dtype=low, _amp_path=path,
             _amp_graphs=OrderedDict(), _amp_lock=threading.RLock(), _amp_eager=None,
-            _amp_eager_reason=None, _amp_last=None,
+            _amp_eager_reason=None, _amp_last=None, _amp_weights=WeightCache(),
         )
         self._amp_policy = config.policy(low)
 
@@ -87,6 +90,19 @@ class AmpModule(nn.Module):
         return (f"level={cfg.amp_level}, dtype={dtype_name(self.amp_dtype)}, "
                 f"model={type(self._amp_model).__name__}")
 
+    def clear_weight_cache(self) -> None:
+        """Drop the low-precision inference copies of the weights (after ``p.data`` edits)."""
+        self._amp_weights.clear()
+        if self._amp_eager is not None:
+            for child in _amp_children(self._amp_eager):
+                child.clear_weight_cache()
+
+    def __deepcopy__(self, memo: dict) -> AmpModule:
+        clone = AmpModule(copy.deepcopy(self._amp_model, memo), self.amp_config, self.amp_dtype,
+                          self._amp_path)
+        clone.train(self.training)
+        return clone
+
     @property
     def original_module(self) -> nn.Module:
         """The user's module (shares all parameters with this one)."""
@@ -98,7 +114,7 @@ class AmpModule(nn.Module):
         compiled = self._compiled_for(args, kwargs)
         if compiled is None:
             return self._amp_eager(*args, **kwargs)
-        flat = compiled.gm(tuple(args), dict(kwargs))
+        flat = compiled.runner(tuple(args), dict(kwargs))
         return unflatten_output(compiled.captured.out_spec, flat)
 
     def _compiled_for(self, args: tuple, kwargs: dict) -> Compiled | None:
@@ -133,7 +149,13 @@ class AmpModule(nn.Module):
         except Exception as exc:
             self._go_eager(f"ampgraph pass failed: {_first_line(exc)}")
             return None
-        return Compiled(captured, result.decisions, result.casts)
+        backend = self.amp_config.backend
+        if backend is None:
+            route_weight_casts(captured.gm, self._amp_weights.cast)
+            runner = captured.gm
+        else:  # hand the rewritten aten graph to torch.compile (casts fuse with their ops)
+            runner = torch.compile(captured.gm, backend=backend, dynamic=True)
+        return Compiled(captured, result.decisions, result.casts, runner)
 
     def _go_eager(self, reason: str) -> None:
         model = self._amp_model

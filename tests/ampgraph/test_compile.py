@@ -169,3 +169,46 @@ def test_model_moved_after_compile_follows():
     net.to(torch.float32)  # .to() reaches the shared parameters
     assert model.fc1.weight.dtype == torch.float32
     assert net.fc1 is model.fc1, "attribute access reaches the user's submodules"
+
+
+def test_inference_weight_cache_follows_every_weight_update():
+    model = Tiny().eval()
+    net = ampgraph.compile(model, "O2", "bf16")
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        first = net(x)
+        assert torch.equal(net(x), first)
+        assert net._amp_weights.nbytes() > 0, "inference keeps low-precision working copies"
+        model.fc2.weight.mul_(2)  # in-place update: version counter moves
+        second = net(x)
+        torch.testing.assert_close(second, model(x), rtol=0.05, atol=0.05)
+        assert not torch.equal(second, first)
+        sd = {k: v * 0.5 for k, v in model.state_dict().items()}
+        net.load_state_dict(sd)
+        torch.testing.assert_close(net(x), model(x), rtol=0.05, atol=0.05)
+        model.fc1.weight.data.zero_()  # bypasses version counters: documented escape hatch
+        net.clear_weight_cache()
+        torch.testing.assert_close(net(x), model(x), rtol=0.05, atol=0.05)
+    # training never reads a cached copy and gradients reach the fp32 masters
+    net.train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for _ in range(3):
+        out = net(x)
+        torch.testing.assert_close(out, model(x), rtol=0.05, atol=0.05)
+        opt.zero_grad()
+        out.square().mean().backward()
+        assert model.fc2.weight.grad.dtype == torch.float32
+        opt.step()
+
+
+def test_deepcopy_of_compiled_module_is_independent():
+    import copy
+
+    model = Tiny()
+    net = ampgraph.compile(model, "O2", "bf16")
+    x = torch.randn(2, 8)
+    net(x)
+    clone = copy.deepcopy(net)
+    assert clone.amp_config == net.amp_config
+    assert clone.fc1.weight is not model.fc1.weight
+    torch.testing.assert_close(clone(x), net(x))
