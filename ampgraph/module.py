@@ -25,7 +25,6 @@ from ampgraph.capture import Captured, export_module, share_state, signature, un
 from ampgraph.config import AmpConfig, dtype_name
 from passes.fx import run_amp_passes
 from passes.fx.graph import module_info, op_key
-from passes.fx.weights import route_weight_casts
 from passes.policy import FP32, LOW, NA
 
 MAX_GRAPHS_PER_SIGNATURE = 8
@@ -143,17 +142,18 @@ class AmpModule(nn.Module):
         except Exception as exc:  # untraceable code: compile the children on their own
             self._go_eager(f"torch.export failed: {_first_line(exc)}")
             return None
+        backend = self.amp_config.backend
         try:
-            result = run_amp_passes(captured.gm, self._amp_policy, self.amp_dtype,
-                                    keep_io_types=self.amp_config.keep_io_types)
+            result = run_amp_passes(
+                captured.gm, self._amp_policy, self.amp_dtype,
+                keep_io_types=self.amp_config.keep_io_types,
+                weight_cast=self._amp_weights.cast if backend is None else None,
+            )
         except Exception as exc:
             self._go_eager(f"ampgraph pass failed: {_first_line(exc)}")
             return None
-        backend = self.amp_config.backend
-        if backend is None:
-            route_weight_casts(captured.gm, self._amp_weights.cast)
-            runner = captured.gm
-        else:  # hand the rewritten aten graph to torch.compile (casts fuse with their ops)
+        runner = captured.gm
+        if backend is not None:  # hand the rewritten aten graph to torch.compile
             runner = torch.compile(captured.gm, backend=backend, dynamic=True)
         return Compiled(captured, result.decisions, result.casts, runner)
 

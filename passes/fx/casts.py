@@ -4,7 +4,13 @@ Each painted node gets ``node.meta["amp_precision"]`` ("low" | "fp32" | "n/a") a
 ``node.meta["amp_reason"]``. ``insert_casts`` then makes every node's float inputs match
 its precision: one cast per (producer, dtype) shared by all consumers, casts of
 parameters and inputs hoisted to the top of the graph (once per forward, tied weights
-once), dtypes re-propagated through fake tensors so later nodes see the real dtypes.
+once).
+
+Dtypes are tracked in ``node.meta["amp_dtype"]`` (read it with :func:`dtype_of`;
+``meta["val"]`` keeps the captured shapes). An op whose float inputs and outputs all had
+one dtype in the captured graph follows its first float input; any other op is re-run on
+fake tensors to learn its output dtype (``exact=True`` re-runs every op: slower, used by
+tests to check the fast rule).
 """
 
 from __future__ import annotations
@@ -31,10 +37,18 @@ def is_amp_cast(node: Any) -> bool:
 
 
 def dtype_of(node: Any) -> torch.dtype | None:
+    """The dtype a node's (single) tensor output has after the rewrite so far."""
     if not isinstance(node, fx.Node):
         return None
+    if "amp_dtype" in node.meta:
+        return node.meta["amp_dtype"]
     ts = tensors(node.meta.get("val"))
     return ts[0].dtype if len(ts) == 1 else None
+
+
+def _set_dtype(node: fx.Node, dtype: torch.dtype | None) -> None:
+    if dtype is not None:
+        node.meta["amp_dtype"] = dtype
 
 
 def _orig_dtype(node: fx.Node) -> torch.dtype | None:
@@ -133,8 +147,8 @@ class _Caster:
                          amp_reason=f"cast {dtype_of(src)} -> {dtype}")
         if "nn_module_stack" in src.meta:
             cast.meta["nn_module_stack"] = src.meta["nn_module_stack"]
-        with self.fake_mode:
-            cast.meta["val"] = src.meta["val"].to(dtype)
+        cast.meta["val"] = src.meta.get("val")  # shapes; the dtype is amp_dtype
+        _set_dtype(cast, dtype)
         self.cache[key] = cast
         self.count += 1
         return cast
@@ -174,7 +188,8 @@ def annotate(gm: fx.GraphModule, decisions: Mapping[str, Decision]) -> None:
 
 
 def insert_casts(
-    gm: fx.GraphModule, low: torch.dtype, *, keep_io_types: bool = True
+    gm: fx.GraphModule, low: torch.dtype, *, keep_io_types: bool = True, exact: bool = False,
+    recompile: bool = True,
 ) -> PassResult:
     """Insert the casts that make every node's inputs match ``node.meta["amp_precision"]``.
 
@@ -182,6 +197,8 @@ def insert_casts(
         gm: a graph annotated by :func:`annotate`.
         low: the low-precision dtype (torch.bfloat16 or torch.float16).
         keep_io_types: cast float outputs back to their original dtype.
+        exact: learn every op's output dtype by running it on fake tensors.
+        recompile: regenerate ``gm.forward`` (a pipeline recompiles once at its end).
 
     Example:
         >>> annotate(gm, paint(build_dataflow(gm), policy)); insert_casts(gm, torch.bfloat16)
@@ -192,6 +209,8 @@ def insert_casts(
         raise PassError("insert_casts", None, "nodes carry no fake-tensor metadata; capture "
                         "the model with torch.export first")
     caster = _Caster(gm, fake_mode)
+    for node in graph.nodes:
+        _set_dtype(node, dtype_of(node))
     for node in list(graph.nodes):
         if node.op == "output":
             if keep_io_types:
@@ -210,9 +229,9 @@ def insert_casts(
             node.kwargs = {k: _swap(a, k, replace) for k, a in node.kwargs.items()}
             changed = True
         if changed or node.meta.get("amp_precision") == LOW:
-            _repropagate(node, fake_mode)
-    graph.lint()
-    gm.recompile()
+            _propagate_dtype(node, fake_mode, exact)
+    if recompile:
+        gm.recompile()
     gm.meta["amp_casts"] = gm.meta.get("amp_casts", 0) + caster.count
     return PassResult(gm, caster.count > 0)
 
@@ -236,9 +255,32 @@ def _cast_outputs(node: fx.Node, caster: _Caster) -> None:
     node.args = tree_map(back, node.args)
 
 
-def _repropagate(node: fx.Node, fake_mode: Any) -> None:
+def _follows_inputs(node: fx.Node) -> bool:
+    """In the captured graph, all float inputs and outputs of ``node`` had one dtype."""
+    dtypes = {t.dtype for t in tensors(node.meta.get("amp_orig_val")) if t.is_floating_point()}
+    for a in node.all_input_nodes:
+        dtypes |= {t.dtype for t in tensors(a.meta.get("amp_orig_val", a.meta.get("val")))
+                   if t.is_floating_point()}
+    return len(dtypes) == 1 and not any(isinstance(v, torch.dtype)
+                                        for v in (*node.args, *node.kwargs.values()))
+
+
+def _propagate_dtype(node: fx.Node, fake_mode: Any, exact: bool) -> None:
+    if not exact and _follows_inputs(node) and len(tensors(node.meta.get("val"))) == 1:
+        first = next((a for _, a in _slots(node) if dtype_of(a) in FLOATS), None)
+        if first is not None:
+            _set_dtype(node, dtype_of(first))
+            return
+
     def val(a: Any) -> Any:
-        return a.meta.get("val") if isinstance(a, fx.Node) else a
+        if not isinstance(a, fx.Node):
+            return a
+        v = a.meta.get("val")
+        want = dtype_of(a)
+        if isinstance(v, torch.Tensor) and want is not None and v.dtype != want:
+            with fake_mode:
+                v = v.to(want)
+        return v
 
     args = tree_map(val, node.args)
     kwargs = tree_map(val, node.kwargs)
@@ -248,9 +290,11 @@ def _repropagate(node: fx.Node, fake_mode: Any) -> None:
     except Exception as exc:
         raise PassError("insert_casts", node.name,
                         f"could not re-run {op_key(node)} on the new dtypes: {exc}") from exc
+    node.meta.pop("amp_dtype", None)
+    _set_dtype(node, dtype_of(node))
 
 
-def fold_casts(gm: fx.GraphModule) -> PassResult:
+def fold_casts(gm: fx.GraphModule, recompile: bool = True) -> PassResult:
     """Fold cast chains: casts to the producer's own dtype vanish, ``low -> fp32 -> low``
     becomes the original low value. ``fp32 -> low -> fp32`` is kept: it changes values.
     """
@@ -274,8 +318,7 @@ def fold_casts(gm: fx.GraphModule) -> PassResult:
         if is_amp_cast(node) and not node.users:
             gm.graph.erase_node(node)
             modified = True
-    if modified:
-        gm.graph.lint()
+    if modified and recompile:
         gm.recompile()
     return PassResult(gm, modified)
 

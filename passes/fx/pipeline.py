@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import fx
@@ -10,6 +12,7 @@ from torch import fx
 from passes.fx.casts import annotate, count_casts, fold_casts, insert_casts
 from passes.fx.graph import build_dataflow, prepare
 from passes.fx.verify import verify
+from passes.fx.weights import route_weight_casts
 from passes.paint import Decision, paint
 from passes.policy import LevelPolicy
 
@@ -24,7 +27,12 @@ class FxAmpResult:
 
 
 def run_amp_passes(
-    gm: fx.GraphModule, policy: LevelPolicy, low: torch.dtype, *, keep_io_types: bool = True
+    gm: fx.GraphModule,
+    policy: LevelPolicy,
+    low: torch.dtype,
+    *,
+    keep_io_types: bool = True,
+    weight_cast: Callable[..., Any] | None = None,
 ) -> FxAmpResult:
     """Rewrite ``gm`` in place for mixed precision and verify the result.
 
@@ -33,6 +41,8 @@ def run_amp_passes(
         policy: from ``passes.policy.make_policy``.
         low: torch.bfloat16 or torch.float16.
         keep_io_types: cast float outputs back to their original dtype.
+        weight_cast: if given, parameter casts call ``weight_cast(param, dtype)`` (a cache of
+            low-precision working copies) instead of ``aten._to_copy``.
 
     Example:
         >>> run_amp_passes(ep.module(), make_policy("O2"), torch.bfloat16).casts
@@ -41,7 +51,11 @@ def run_amp_passes(
     prepare(gm)
     decisions = paint(build_dataflow(gm), policy)
     annotate(gm, decisions)
-    insert_casts(gm, low, keep_io_types=keep_io_types)
-    fold_casts(gm)
+    insert_casts(gm, low, keep_io_types=keep_io_types, recompile=False)
+    fold_casts(gm, recompile=False)
     verify(gm, low)
-    return FxAmpResult(gm, decisions, count_casts(gm))
+    casts = count_casts(gm)
+    if weight_cast is not None:
+        route_weight_casts(gm, weight_cast, recompile=False)
+    gm.recompile()
+    return FxAmpResult(gm, decisions, casts)

@@ -16,7 +16,9 @@ from passes._infra import PassResult
 from passes.fx.casts import is_amp_cast
 
 
-def route_weight_casts(gm: fx.GraphModule, cast_fn: Callable[..., Any]) -> PassResult:
+def route_weight_casts(
+    gm: fx.GraphModule, cast_fn: Callable[..., Any], recompile: bool = True
+) -> PassResult:
     """Replace ``_to_copy(get_attr, dtype)`` amp casts by ``cast_fn(get_attr, dtype)``.
 
     Example:
@@ -32,7 +34,6 @@ def route_weight_casts(gm: fx.GraphModule, cast_fn: Callable[..., Any]) -> PassR
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
         modified = True
-    if modified:
-        gm.graph.lint()
+    if modified and recompile:
         gm.recompile()
     return PassResult(gm, modified)

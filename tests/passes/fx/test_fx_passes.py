@@ -143,3 +143,21 @@ def test_inplace_activation_becomes_functional_and_runs_low():
     gm, _ = check_pass(model, (torch.randn(3, 4),), "O1", torch.bfloat16)
     ops = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
     assert "aten.relu.default" in ops and "aten.relu_.default" not in ops
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+@pytest.mark.parametrize("name", ["resnet", "unet", "bert_encoder", "gpt_decoder"])
+def test_fast_dtype_tracking_agrees_with_fake_tensor_execution(name, level):
+    from passes.fx.casts import annotate, dtype_of, insert_casts
+    from passes.fx.graph import build_dataflow, prepare
+    from passes.paint import paint
+
+    model, inputs = make(name)
+    graphs = []
+    for exact in (False, True):
+        gm = export(model, inputs)
+        prepare(gm)
+        annotate(gm, paint(build_dataflow(gm), make_policy(level)))
+        insert_casts(gm, torch.bfloat16, exact=exact)
+        graphs.append({n.name: dtype_of(n) for n in gm.graph.nodes})
+    assert graphs[0] == graphs[1]
