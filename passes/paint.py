@@ -8,7 +8,8 @@ consumer. Each vertex has attributes:
   ``"nonfloat"`` (no float data: integer/bool ops, fp64, shape arithmetic);
 - ``op``: the policy key (``aten.linear``, ``MatMul``);
 - ``module``: the module path the node came from ("" when unknown);
-- ``module_classes``: qualified class names of the modules it sits in.
+- ``module_classes``: qualified class names of the modules it sits in;
+- ``forced`` (optional): ``(precision, reason)`` a dialect imposes (range hazards).
 
 :func:`paint` returns an :class:`Assignment`: vertex -> :class:`Decision` with the
 precision (``LOW``, ``FP32`` or ``NA``) and the rule that decided it. It never looks
@@ -83,6 +84,9 @@ def paint(graph: nx.DiGraph, policy: LevelPolicy) -> Assignment:
         cls[v] = info.cls
         if policy.level == "O0":
             out[v] = Decision(FP32, "O0: everything fp32", info.cls)
+            continue
+        if data.get("forced"):  # the dialect found a hazard (e.g. an fp16 range problem)
+            out[v] = Decision(data["forced"][0], data["forced"][1], info.cls)
             continue
         forced = policy.overrides.module_precision(
             data.get("module", ""), data.get("module_classes", ())

@@ -141,8 +141,18 @@ class _Caster:
         if key in self.cache:
             return self.cache[key]
         hoist = src.op in ("get_attr", "placeholder")
+        value = src
         with self.gm.graph.inserting_after(self.anchor if hoist else src):
-            cast = self.gm.graph.call_function(CAST, (src,), {"dtype": dtype})
+            if dtype == torch.float16 and src.meta.get("amp_saturate"):
+                # a -inf stand-in (mask fill) beyond fp16's range: clamp, don't overflow
+                value = self.gm.graph.call_function(
+                    torch.ops.aten.clamp.default, (src, -65504.0, 65504.0))
+                value.meta.update(val=src.meta.get("val"), amp_dtype=dtype_of(src),
+                                  amp_precision="n/a",
+                                  amp_reason="fp16 range: clamp a mask fill to +-65504 before "
+                                             "the fp16 cast (exact for masking)")
+        with self.gm.graph.inserting_after(value):
+            cast = self.gm.graph.call_function(CAST, (value,), {"dtype": dtype})
         cast.meta.update(amp_cast=True, amp_precision="n/a",
                          amp_reason=f"cast {dtype_of(src)} -> {dtype}")
         if "nn_module_stack" in src.meta:
