@@ -21,6 +21,7 @@ import networkx as nx
 import torch
 from torch import fx
 
+from passes.fx.graph import op_key
 from passes.paint import COMPUTE
 from passes.policy import FP32
 
@@ -36,8 +37,20 @@ def _out_of_range(v: Any) -> bool:
     return abs(v) > FP16_MAX or (v != 0.0 and abs(v) < FP16_TINY)
 
 
+# Norm kernels add eps inside an fp32 (opmath) accumulation even for fp16 inputs, so a tiny
+# eps (BERT's 1e-12) is not a hazard there.
+FP32_ACCUMULATING = frozenset(
+    "aten.layer_norm aten.native_layer_norm aten.batch_norm aten.native_batch_norm "
+    "aten._native_batch_norm_legit aten._native_batch_norm_legit_functional "
+    "aten._native_batch_norm_legit_no_training aten.group_norm aten.native_group_norm "
+    "aten.instance_norm aten.rms_norm aten._fused_rms_norm".split()
+)
+
+
 def _scalars(node: fx.Node) -> list[float]:
     out: list[float] = []
+    if ".".join(op_key(node).split(".")[:2]) in FP32_ACCUMULATING:
+        return out
 
     def walk(a: Any) -> None:
         if isinstance(a, (list, tuple)):

@@ -113,3 +113,11 @@ def test_bf16_has_no_range_hazard():
     net = ampgraph.compile(MaskedAttention().eval(), "O3", "bf16")
     rows = ampgraph.explain(net, torch.randn(1, 3, 8), torch.zeros(1, 3, 3, dtype=torch.bool))
     assert all("fp16 range" not in r["reason"] for r in rows.nodes)
+
+
+def test_norm_epsilon_is_not_a_hazard():
+    """Norm kernels add eps in fp32 accumulation: BERT's 1e-12 must not force fp32."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4, eps=1e-12), nn.Linear(4, 4))
+    rows = ampgraph.explain(compile16(model, "O3"), torch.randn(2, 4)).nodes
+    assert all("fp16 range" not in r["reason"] for r in rows)
+    assert {r["precision"] for r in rows if r["op"].startswith("aten.")} == {"fp16"}
