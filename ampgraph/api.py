@@ -50,7 +50,8 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
 
     Raises:
         TypeError: ``model`` is not an nn.Module.
-        ValueError: an unknown level or dtype, or contradictory overrides.
+        ValueError: an unknown level or dtype, contradictory overrides, a model on the meta
+            device or with fp16/bf16 parameters.
 
     Example:
         >>> net = ampgraph.compile(model, amp_level="O2", dtype="bf16")
@@ -82,4 +83,22 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
             "(net.original_module) instead of compiling twice"
         )
     config.policy(low)  # raise on contradictory overrides now, not at the first call
+    _check_parameters(model)
     return AmpModule(model, config, low)
+
+
+def _check_parameters(model: nn.Module) -> None:
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    meta = [name for name, t in tensors if t.device.type == "meta"]
+    if meta:
+        raise ValueError(
+            f"the model is on the meta device ({meta[0]} has no data): materialise it first, "
+            "e.g. model.to_empty(device='cpu') and load its weights, then compile"
+        )
+    low = [(name, p.dtype) for name, p in model.named_parameters()
+           if p.dtype in (torch.float16, torch.bfloat16)]
+    if low:
+        raise ValueError(
+            f"parameter {low[0][0]} is already {low[0][1]}: ampgraph keeps fp32 master weights "
+            "and casts on use, so compile the fp32 model (call model.float() first)"
+        )

@@ -152,6 +152,11 @@ class AmpModule(nn.Module):
         except Exception as exc:
             self._go_eager(f"ampgraph pass failed: {_first_line(exc)}")
             return None
+        if self.amp_config.amp_level != "O0" and not any(
+                d.precision != NA for d in result.decisions.values() if d.cls):
+            warnings.warn(
+                f"ampgraph: {self._amp_path or type(model).__name__} has no floating-point ops; "
+                "compiling it changes nothing", UserWarning, stacklevel=4)
         runner = captured.gm
         if backend is not None:  # hand the rewritten aten graph to torch.compile
             runner = torch.compile(captured.gm, backend=backend, dynamic=True)

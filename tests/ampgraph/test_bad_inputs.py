@@ -67,3 +67,27 @@ def test_explain_needs_a_compiled_module_and_inputs():
         ampgraph.explain(nn.Linear(2, 2))
     with pytest.raises(ValueError, match="example inputs"):
         ampgraph.explain(ampgraph.compile(nn.Linear(2, 2)))
+
+
+def test_model_on_meta_device():
+    with torch.device("meta"):
+        model = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="meta device.*to_empty"):
+        ampgraph.compile(model)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_model_already_in_half_precision(dtype):
+    with pytest.raises(ValueError, match=r"fp32 master weights.*model.float\(\)"):
+        ampgraph.compile(nn.Linear(4, 4).to(dtype))
+
+
+def test_model_with_no_float_ops_warns_and_runs():
+    class Ints(nn.Module):
+        def forward(self, ids):
+            return ids * 2 + 1
+
+    net = ampgraph.compile(Ints(), "O2", "bf16")
+    with pytest.warns(UserWarning, match="no floating-point ops"):
+        out = net(torch.arange(4))
+    assert torch.equal(out, torch.arange(4) * 2 + 1)
