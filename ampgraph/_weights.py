@@ -1,10 +1,16 @@
-"""Persistent low-precision working copies of the fp32 master weights, for inference.
+"""Low-precision working copies of the fp32 master weights.
 
-With gradients disabled the graph's parameter casts come from ``WeightCache``: a copy is
-made once and reused until the master changes (its version counter, data pointer, device or
-shape), so repeated inference casts each weight once instead of every call. With gradients
-enabled the cast is the ordinary differentiable ``p.to(dtype)``: training never reads a
-cached copy. Weights changed through ``.data`` bypass version counters: call
+The graph's parameter casts call :meth:`WeightCache.cast` instead of ``aten._to_copy``:
+
+- without gradients (inference) a copy is made once and reused until the master changes
+  (its version counter, data pointer, device or shape), so repeated inference casts each
+  weight once instead of every call;
+- with gradients (training) the cast writes into a persistent buffer per weight instead of
+  a fresh allocation, which on CPU costs page faults every step; a buffer still referenced
+  by a live autograd graph (two forwards before one backward) is never overwritten, a new
+  one is made. The cast's backward hands fp32 gradients to the master.
+
+Weights changed through ``.data`` bypass version counters: call
 ``AmpModule.clear_weight_cache()`` after such an update.
 """
 
@@ -12,48 +18,90 @@ from __future__ import annotations
 
 import threading
 import weakref
+from typing import Any
 
 import torch
 
 
+def _storage_refs(t: torch.Tensor) -> int:
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+class _CastInto(torch.autograd.Function):
+    """``buffer <- param`` as a differentiable cast; backward returns fp32 gradients."""
+
+    @staticmethod
+    def forward(ctx: Any, param: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+        ctx.src_dtype = param.dtype
+        buffer.copy_(param)
+        return buffer.view_as(buffer)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad.to(ctx.src_dtype), None
+
+
 class WeightCache:
-    """Low-precision copies keyed by parameter; thread-safe; entries die with the param."""
+    """Working copies keyed by parameter identity; thread-safe; entries die with the param."""
 
     def __init__(self) -> None:
-        # id(param) -> (weakref to param, {dtype: (key, copy)}); tensors are not hashable by
-        # value, so entries are keyed by identity and dropped when the parameter dies.
-        self._copies: dict[int, tuple[weakref.ref, dict]] = {}
-        self._lock = threading.RLock()  # GC callbacks may fire while held
+        # id(param) -> (weakref to param, {key: entry}); tensors are not hashable by value.
+        self._slots: dict[int, tuple[weakref.ref, dict]] = {}
+        self._lock = threading.RLock()  # GC callbacks may fire while it is held
 
-    def cast(self, p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """``p.to(dtype)``; served from the cache when no gradient is needed."""
-        if torch.is_grad_enabled() and p.requires_grad:
-            return p.to(dtype)
-        key = (p._version, p.data_ptr(), p.device, tuple(p.shape), dtype)
-        with self._lock:
-            ref, per_param = self._copies.get(id(p), (None, None))
-            if ref is None or ref() is not p:
-                per_param = {}
-                self._copies[id(p)] = (weakref.ref(p, self._forget(id(p))), per_param)
-            entry = per_param.get(dtype)
-            if entry is None or entry[0] != key:
-                with torch.inference_mode(False), torch.no_grad():
-                    entry = per_param[dtype] = (key, p.detach().to(dtype))
-            return entry[1]
+    def _per_param(self, p: torch.Tensor) -> dict:
+        ref, per = self._slots.get(id(p), (None, None))
+        if ref is None or ref() is not p:
+            per = {}
+            self._slots[id(p)] = (weakref.ref(p, self._forget(id(p))), per)
+        return per
 
     def _forget(self, key: int):
-        def drop(_ref: weakref.ref) -> None:
+        def drop(ref: weakref.ref) -> None:
             with self._lock:
-                if self._copies.get(key, (None,))[0] is _ref:
-                    del self._copies[key]
+                if self._slots.get(key, (None,))[0] is ref:
+                    del self._slots[key]
         return drop
+
+    def cast(self, p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``p.to(dtype)``, from a working copy (see the module docstring)."""
+        if p.dtype == dtype:
+            return p
+        if torch.is_grad_enabled() and p.requires_grad:
+            return _CastInto.apply(p, self._train_buffer(p, dtype))
+        key = (p._version, p.data_ptr(), p.device, tuple(p.shape))
+        with self._lock:
+            per = self._per_param(p)
+            entry = per.get(("infer", dtype))
+            if entry is None or entry[0] != key:
+                with torch.inference_mode(False), torch.no_grad():
+                    entry = per[("infer", dtype)] = (key, p.detach().to(dtype))
+            return entry[1]
+
+    def _train_buffer(self, p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        with self._lock:
+            per = self._per_param(p)
+            entry = per.get(("train", dtype))
+            if entry is not None:
+                buf, alone = entry
+                if buf.shape == p.shape and buf.device == p.device \
+                        and _storage_refs(buf) == alone:
+                    return buf
+            with torch.inference_mode(False):
+                buf = torch.empty(p.shape, dtype=dtype, device=p.device)
+            per[("train", dtype)] = (buf, _storage_refs(buf))
+            return buf
 
     def clear(self) -> None:
         with self._lock:
-            self._copies = {}
+            self._slots = {}
 
     def nbytes(self) -> int:
         """Bytes held by the working copies."""
         with self._lock:
-            return sum(t.numel() * t.element_size()
-                       for _, per in self._copies.values() for _, t in per.values())
+            total = 0
+            for _, per in self._slots.values():
+                for key, entry in per.items():
+                    t = entry[1] if key[0] == "infer" else entry[0]
+                    total += t.numel() * t.element_size()
+            return total

@@ -212,3 +212,29 @@ def test_deepcopy_of_compiled_module_is_independent():
     assert clone.amp_config == net.amp_config
     assert clone.fc1.weight is not model.fc1.weight
     torch.testing.assert_close(clone(x), net(x))
+
+
+def test_training_working_copies_are_reused_and_never_overwritten_while_in_use():
+    model = Tiny()
+    reference = __import__("copy").deepcopy(model)
+    net = ampgraph.compile(model, "O2", "bf16")
+    x1, x2 = torch.randn(3, 8), torch.randn(3, 8)
+    # two forwards before one backward: the first graph's saved weights must survive
+    loss = net(x1).square().sum() + net(x2).square().sum()
+    loss.backward()
+    net_ref = ampgraph.compile(reference, "O2", "bf16")
+    net_ref(x1).square().sum().backward()
+    net_ref(x2).square().sum().backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-2, atol=1e-3)
+    # steady state: the same buffer is written every step (no fresh allocation)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ptrs = set()
+    for _ in range(3):
+        opt.zero_grad()
+        out = net(x1)
+        cached = net._amp_weights._slots[id(model.fc1.weight)][1][("train", torch.bfloat16)]
+        ptrs.add(cached[0].data_ptr())
+        out.sum().backward()
+        opt.step()
+    assert len(ptrs) == 1
