@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -16,17 +17,28 @@ from typing import Any
 import torch
 from torch import fx, nn
 from torch.export import Dim
+from torch.utils import _pytree as pytree
 from torch.utils._pytree import tree_flatten, tree_map
 
 # ---------------------------------------------------------------------------- outputs
 
 
+CONSTANT_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device,
+                  torch.Size, enum.Enum, type(...))
+SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
 def flatten_output(obj: Any) -> tuple[list[torch.Tensor], Any]:
-    """Split an output into its tensors and a spec that rebuilds it (non-tensors kept)."""
-    leaves: list[torch.Tensor] = []
+    """Split an output into its tensors and a spec that rebuilds it.
+
+    Plain constants are kept in the spec; symbolic sizes are outputs of the graph; types
+    registered with torch's pytree (e.g. HuggingFace caches) are flattened by it. Anything
+    else raises TypeError, so the module runs eagerly instead of returning a stale object.
+    """
+    leaves: list[Any] = []
 
     def walk(o: Any) -> Any:
-        if isinstance(o, torch.Tensor):
+        if isinstance(o, (torch.Tensor, *SYMBOLIC)):
             leaves.append(o)
             return ("T", len(leaves) - 1)
         if dataclasses.is_dataclass(o) and not isinstance(o, type):
@@ -40,7 +52,15 @@ def flatten_output(obj: Any) -> tuple[list[torch.Tensor], Any]:
             return ("n", type(o), [walk(v) for v in o])
         if isinstance(o, (list, tuple)):
             return ("l", type(o), [walk(v) for v in o])
-        return ("C", o)
+        if isinstance(o, CONSTANT_TYPES):
+            return ("C", o)
+        children, treespec = pytree.tree_flatten(o)
+        if treespec.is_leaf():
+            raise TypeError(
+                f"the model returns a {type(o).__name__}, which ampgraph cannot rebuild from a "
+                "captured graph; register it with torch.utils._pytree or return tensors"
+            )
+        return ("P", treespec, [walk(c) for c in children])
 
     return leaves, walk(obj)
 
@@ -66,6 +86,8 @@ def unflatten_output(spec: Any, leaves: Any) -> Any:
         return out
     if tag == "n":
         return spec[1](*(unflatten_output(s, leaves) for s in spec[2]))
+    if tag == "P":
+        return pytree.tree_unflatten([unflatten_output(s, leaves) for s in spec[2]], spec[1])
     return spec[1](unflatten_output(s, leaves) for s in spec[2])
 
 
@@ -87,7 +109,7 @@ def strip_tensors(spec: Any) -> Any:
         return ("d", _empty_like(spec[1]), [(k, strip_tensors(s)) for k, s in spec[2]])
     if tag in ("M",):
         return ("M", spec[1], [(k, strip_tensors(s)) for k, s in spec[2]])
-    if tag in ("n", "l"):
+    if tag in ("n", "l", "P"):
         return (tag, spec[1], [strip_tensors(s) for s in spec[2]])
     return spec
 

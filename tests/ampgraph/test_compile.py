@@ -238,3 +238,43 @@ def test_training_working_copies_are_reused_and_never_overwritten_while_in_use()
         out.sum().backward()
         opt.step()
     assert len(ptrs) == 1
+
+
+class OddOutputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.fc(x)
+        return {"y": y, "batch": x.shape[0], "opaque": object() if x.dim() > 5 else None}
+
+
+def test_symbolic_sizes_in_outputs_follow_the_input():
+    net = ampgraph.compile(OddOutputs(), "O2", "bf16")
+    assert net(torch.randn(3, 4))["batch"] == 3
+    assert net(torch.randn(6, 4))["batch"] == 6
+
+
+class Unrebuildable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        class Box:  # not a tensor, constant or pytree node
+            pass
+
+        box = Box()
+        box.value = self.fc(x)
+        return box
+
+
+def test_unrebuildable_outputs_run_eagerly_instead_of_returning_stale_objects():
+    model = Unrebuildable()
+    net = ampgraph.compile(model, "O2", "bf16")
+    x = torch.randn(2, 4)
+    with pytest.warns(UserWarning, match="cannot rebuild"):
+        out = net(x)
+    assert type(out).__name__ == "Box" and out.value.dtype == torch.float32
+    torch.testing.assert_close(out.value, model.fc(x), rtol=2e-2, atol=2e-2)
