@@ -1,0 +1,251 @@
+"""Constants: reading, converting to a low dtype, and the 16-bit range checks.
+
+A constant is an initializer, a ``Constant`` node or a ``ConstantOfShape`` value. When
+low-precision consumers read it, it is converted in place (all consumers agree) or a
+converted copy is added next to it (the FP32 consumers keep the original), so a shared
+initializer never binds one type parameter to two dtypes.
+
+Values outside the target range are handled before painting is final:
+
+- finite values beyond the largest finite value: when every consumer is a selection or
+  saturating op (``Where``, ``Max`` with a very negative constant ...) clamping is exact
+  and happens with a :class:`ConstantRangeWarning`; otherwise the consumers (and the
+  data moves in between) are kept in FP32, e.g. ``Add(scores, -1e9 mask) -> Softmax``.
+- non-zero values below the smallest subnormal are clamped to it, with a warning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import ml_dtypes
+import numpy as np
+from onnx import TensorProto, helper, numpy_helper
+
+from passes.onnx.graph import ModelIndex, NodeRec, ValueRec
+from passes.onnx.policy import BFLOAT16, DATA_MOVES, FLOAT16, SATURATING, dtype_limits
+
+_SMALL = 16  # tensors up to this size are scalars/epsilons: any clamp is reported
+VALUE_FREE = frozenset({"Shape", "Size"})  # read only the shape of their input
+_NP = {FLOAT16: np.float16, BFLOAT16: ml_dtypes.bfloat16, TensorProto.FLOAT: np.float32}
+
+
+class ConstantRangeWarning(UserWarning):
+    """A constant was clamped into the range of the low-precision dtype.
+
+    Example:
+        >>> warnings.simplefilter("error", ConstantRangeWarning)  # make clamping fatal
+    """
+
+
+def const_tensor(value: ValueRec) -> TensorProto:
+    """The tensor held by a constant value (initializer, Constant or ConstantOfShape).
+
+    Example:
+        >>> const_tensor(index.values["W"]).dims
+        [4, 4]
+    """
+    if value.tensor is not None:
+        return value.tensor
+    node = value.producer.node
+    for attr in node.attribute:
+        if attr.name == "value":
+            return attr.t
+        if attr.name == "value_float":
+            return helper.make_tensor(value.name, TensorProto.FLOAT, [], [attr.f])
+        if attr.name == "value_floats":
+            return helper.make_tensor(value.name, TensorProto.FLOAT, [len(attr.floats)],
+                                      list(attr.floats))
+    if node.op_type == "ConstantOfShape":  # default value: float zero
+        return helper.make_tensor(value.name, TensorProto.FLOAT, [1], [0.0])
+    raise ValueError(f"constant node {node.name!r} has no float value attribute")
+
+
+def to_array(tensor: TensorProto) -> np.ndarray:
+    """Values of a float tensor as a numpy array, with a clear error for unloaded data.
+
+    Example:
+        >>> to_array(index.values["W"].tensor).shape
+        (4, 4)
+    """
+    if tensor.data_location == TensorProto.EXTERNAL:
+        raise ValueError(
+            f"initializer {tensor.name!r} stores its data externally and it was not loaded; "
+            "pass the model by path (or onnx.load with load_external_data=True)"
+        )
+    return numpy_helper.to_array(tensor)
+
+
+def range_stats(arr: np.ndarray, dtype: int) -> tuple[int, int, int]:
+    """Counts of (too large negative, too large positive, too small non-zero) values.
+
+    Example:
+        >>> range_stats(np.array([-1e9, 1e5, 1e-9, 1.0]), TensorProto.FLOAT16)
+        (1, 1, 1)
+    """
+    big, tiny = dtype_limits(dtype)
+    mag = np.abs(np.asarray(arr, dtype=np.float32))
+    under = int(np.count_nonzero(mag < tiny) - np.count_nonzero(mag == 0))
+    if mag.size == 0 or float(np.nanmax(mag, initial=0.0)) <= big:  # the common case
+        return 0, 0, under
+    over = (mag > big) & np.isfinite(mag)
+    neg = int(np.count_nonzero(over & (np.asarray(arr) < 0)))
+    return neg, int(np.count_nonzero(over)) - neg, under
+
+
+def convert_tensor(tensor: TensorProto, dtype: int, name: str) -> tuple[TensorProto, int]:
+    """``tensor`` converted to ``dtype`` with out-of-range values clamped.
+
+    Returns the new tensor and how many values were clamped that deserve a warning: every
+    value beyond the largest finite one, and tiny non-zero values (raised to the smallest
+    subnormal) in small tensors such as an epsilon; in large weight tensors the latter
+    are raised silently. ±inf and NaN are kept.
+
+    Example:
+        >>> t, n = convert_tensor(numpy_helper.from_array(np.array([1e5], np.float32)),
+        ...                       TensorProto.FLOAT16, "w")
+        >>> numpy_helper.to_array(t), n
+        (array([65504.], dtype=float16), 1)
+    """
+    arr = np.asarray(to_array(tensor), dtype=np.float32)
+    big, tiny = dtype_limits(dtype)
+    neg, pos, under = range_stats(arr, dtype)
+    if neg or pos:
+        finite = np.isfinite(arr)
+        arr = np.where(finite, np.clip(arr, -big, big), arr)
+    if under:
+        small = (np.abs(arr) > 0) & (np.abs(arr) < tiny)
+        arr = np.where(small, np.copysign(np.float32(tiny), arr), arr)
+    out = numpy_helper.from_array(arr.astype(_NP[dtype]), name)
+    out.doc_string = tensor.doc_string
+    return out, neg + pos + (under if arr.size <= _SMALL else 0)
+
+
+def set_const(value: ValueRec, tensor: TensorProto) -> None:
+    """Replace the tensor of a constant value in place (same name).
+
+    Example:
+        >>> set_const(value, convert_tensor(const_tensor(value), FLOAT16, value.name)[0])
+    """
+    if value.tensor is not None:
+        value.tensor.CopyFrom(tensor)
+        return
+    node = value.producer.node
+    keep = [a for a in node.attribute if a.name not in ("value", "value_float", "value_floats")]
+    del node.attribute[:]
+    node.attribute.extend(keep)
+    tensor.name = "" if node.op_type == "ConstantOfShape" else tensor.name
+    node.attribute.append(helper.make_attribute("value", tensor))
+
+
+def const_variant(index: ModelIndex, value: ValueRec, tensor: TensorProto, name: str):
+    """A copy of a constant holding ``tensor`` under ``name``: an initializer in the same
+    graph, or a Constant/ConstantOfShape node to insert after the original one.
+
+    Example:
+        >>> const_variant(index, index.values["b"], tensor, "b_fp16").name
+        'b_fp16'
+    """
+    if value.tensor is not None:
+        tensor.name = name
+        return tensor
+    node = value.producer.node
+    if node.op_type == "ConstantOfShape":
+        tensor.name = ""
+        return helper.make_node("ConstantOfShape", list(node.input), [name],
+                                name=index.fresh(name + "_node"), value=tensor)
+    return helper.make_node("Constant", [], [name], name=index.fresh(name + "_node"), value=tensor)
+
+
+def unsafe_range_consumers(
+    index: ModelIndex,
+    low_readers: dict[str, list[tuple[NodeRec, int]]],
+    low: int,
+    precision: dict[str, str],
+) -> dict[str, str]:
+    """Nodes to keep in FP32 because clamping a constant they read would change results.
+
+    Args:
+        index: the model index.
+        low_readers: constant value name -> the (node, input slot) reading it in ``low``.
+        low: the low dtype.
+        precision: node name -> painted precision ("low"/"fp32"/"n/a").
+
+    Returns:
+        node name -> reason, for the low readers (and data moves after them) of constants
+        with finite values beyond the low dtype's range, unless every path ends in a
+        selection op for which clamping is exact.
+
+    Example:
+        >>> unsafe_range_consumers(index, {"mask": [(add_rec, 1)]}, FLOAT16, precision)
+        {'add': "constant 'mask' holds -1e+09, beyond the float16 range; ..."}
+    """
+    forced: dict[str, str] = {}
+    for name, readers in low_readers.items():
+        value = index.values[name]
+        arr = to_array(const_tensor(value))
+        neg, pos, _ = range_stats(arr, low)
+        if not (neg or pos):
+            continue
+        sign = -1 if pos == 0 else (1 if neg == 0 else 0)
+        chain: list[str] = []
+        exact = all(_exact(index, rec, slot, sign, chain, 0) for rec, slot in readers)
+        if exact:
+            continue
+        big = float(np.abs(np.where(np.isfinite(arr), arr, 0)).max())
+        why = (f"constant {name!r} holds {big:.3g}, beyond the {_tag(low)} range: clamping "
+               "would change the result")
+        for node in chain:
+            if precision.get(node) == "low":
+                forced.setdefault(node, why)
+    return forced
+
+
+def _exact(index: ModelIndex, rec: NodeRec, slot: int, sign: int, chain: list[str],
+           depth: int) -> bool:
+    """Whether clamping the value read at (rec, slot) cannot change what ``rec`` computes."""
+    op = rec.node.op_type
+    rule = SATURATING.get(op, {})
+    if op in VALUE_FREE or (slot in rule and rule[slot] in (0, sign)):
+        return True
+    chain.append(rec.name)
+    if op not in DATA_MOVES or depth >= 16:
+        return False
+    return all(
+        _exact(index, nxt, s, sign, chain, depth + 1)
+        for out in rec.node.output if out
+        for nxt, s in index.consumers.get(out, ())
+    )
+
+
+def _tag(dtype: int) -> str:
+    return {FLOAT16: "float16", BFLOAT16: "bfloat16"}.get(dtype, "float")
+
+
+def clamp_warning(clamped: Iterable[tuple[str, int]], dtype: int) -> str | None:
+    """One warning message for all constants clamped during a conversion (None: none).
+
+    Example:
+        >>> clamp_warning([("mask", 3)], FLOAT16)
+        "clamped constants into the float16 range [5.96e-08, 65504]: 'mask' (3 values); ..."
+    """
+    items = sorted(clamped, key=lambda kv: -kv[1])
+    if not items:
+        return None
+    shown = ", ".join(f"{n!r} ({k} values)" for n, k in items[:5])
+    more = f" and {len(items) - 5} more" if len(items) > 5 else ""
+    big, tiny = dtype_limits(dtype)
+    return (f"clamped constants into the {_tag(dtype)} range [{tiny:.3g}, {big:.6g}]: {shown}"
+            f"{more}; keep their consumers in fp32 with node_block_list to avoid it")
+
+
+__all__ = [
+    "ConstantRangeWarning",
+    "clamp_warning",
+    "const_tensor",
+    "const_variant",
+    "convert_tensor",
+    "range_stats",
+    "set_const",
+    "unsafe_range_consumers",
+]

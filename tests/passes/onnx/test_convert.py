@@ -1,0 +1,158 @@
+"""Levels, overrides, policy table, verification and painted regions of the ONNX pass."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from onnx import helper
+
+from passes._infra import PassError
+from passes.onnx import ONNX_TABLE, convert_model, low_regions, verify_model
+from passes.onnx.regions import bisect_regions
+from passes.policy import ALLOW, CLEAR, DENY, NORM, make_policy
+from tests.passes.onnx.util import F16, F32, casts, check, init, make, rand, reads, vi
+
+FEEDS = {"x": rand(2, 8, scale=1.0)}
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def mlp(names=("mm1", "add1", "relu", "mm2", "ln", "softmax")):
+    nodes = [
+        helper.make_node("MatMul", ["x", "W1"], ["a"], name=names[0]),
+        helper.make_node("Add", ["a", "b1"], ["h"], name=names[1]),
+        helper.make_node("Relu", ["h"], ["r"], name=names[2]),
+        helper.make_node("MatMul", ["r", "W2"], ["m"], name=names[3]),
+        helper.make_node("LayerNormalization", ["m", "g", "b"], ["n"], name=names[4]),
+        helper.make_node("Softmax", ["n"], ["y"], name=names[5], axis=-1),
+    ]
+    inits = [init("W1", rand(8, 8)), init("b1", rand(8)), init("W2", rand(8, 8)),
+             init("g", np.ones(8)), init("b", np.zeros(8))]
+    return make(nodes, [vi("x", F32, [2, 8])], [vi("y", F32, [2, 8])], inits)
+
+
+def test_policy_table_shares_the_fx_vocabulary():
+    assert ONNX_TABLE.info("MatMul").cls == ALLOW and ONNX_TABLE.info("Conv").cls == ALLOW
+    assert ONNX_TABLE.info("LayerNormalization").group == NORM
+    assert ONNX_TABLE.info("Softmax").cls == DENY and ONNX_TABLE.info("Reshape").cls == CLEAR
+    assert ONNX_TABLE.info("Sqrt").group == "default"  # INFER
+    policy = make_policy("O3", table=ONNX_TABLE, keep_norm_fp32=True)
+    assert policy.op_info("BatchNormalization").cls == DENY
+
+
+def test_o0_changes_nothing():
+    model = mlp(("",) * 6)  # unnamed nodes stay unnamed too
+    result = convert_model(model, "O0")
+    assert result.model == model and not casts(result.model)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("level, low, fp32", [
+    ("O1", ["mm1", "add1", "relu", "mm2"], ["ln", "softmax"]),
+    ("O2", ["mm1", "add1", "relu", "mm2"], ["ln", "softmax"]),
+    ("O3", ["mm1", "add1", "relu", "mm2", "ln", "softmax"], []),
+])
+def test_levels(level, low, fp32, dtype):
+    result = check(mlp(), level, dtype, feeds=FEEDS)
+    assert [n for n in low if result.precision(n) != "low"] == []
+    assert [n for n in fp32 if result.precision(n) != "fp32"] == []
+    for name in low:
+        assert F32 not in reads(result.model, name)[:1]
+    for name in fp32:
+        assert reads(result.model, name)[0] == F32
+
+
+def test_keep_norm_fp32_false_at_o2():
+    result = check(mlp(), "O2", feeds=FEEDS, keep_norm_fp32=False)
+    assert result.precision("ln") == "low" and reads(result.model, "ln") == [F16] * 3
+
+
+def test_op_block_list():
+    result = check(mlp(), "O2", feeds=FEEDS, op_block_list=["MatMul"])
+    assert result.precision("mm1") == "fp32" and result.precision("mm2") == "fp32"
+    assert "custom_deny" in result.assignment["mm1"].reason
+
+
+def test_node_block_list_matches_names_with_dots_and_globs():
+    names = ("/layer.0/MatMul", "/layer.0/Add", "/layer.0/Relu", "/layer.1/MatMul", "ln", "sm")
+    result = check(mlp(names), "O2", feeds=FEEDS, node_block_list=["/layer.1/*"])
+    assert result.precision("/layer.1/MatMul") == "fp32"
+    assert result.precision("/layer.0/MatMul") == "low"
+    assert "node_block_list '/layer.1/*'" in result.assignment["/layer.1/MatMul"].reason
+    exact = convert_model(mlp(names), "O2", node_block_list=["/layer.0/MatMul"])
+    assert exact.precision("/layer.0/MatMul") == "fp32"
+    assert exact.precision("/layer.1/MatMul") == "low"
+
+
+def test_unnamed_nodes_get_names_and_input_is_not_modified():
+    model = mlp(("",) * 6)
+    before = model.SerializeToString()
+    result = convert_model(model, "O2")
+    assert model.SerializeToString() == before
+    names = [n.name for n in result.model.graph.node]
+    assert all(names) and len(set(names)) == len(names)
+
+
+def test_verify_rejects_round_trips_and_duplicate_casts():
+    chain = make([
+        helper.make_node("Cast", ["x"], ["a"], name="c1", to=F16),
+        helper.make_node("Cast", ["a"], ["y"], name="c2", to=F32),
+    ], [vi("x", F32, [2])], [vi("y", F32, [2])])
+    with pytest.raises(PassError, match="round trip"):
+        verify_model(chain)
+    dup = make([
+        helper.make_node("Cast", ["x"], ["a"], name="c1", to=F16),
+        helper.make_node("Cast", ["x"], ["b"], name="c2", to=F16),
+        helper.make_node("Add", ["a", "b"], ["y"], name="add"),
+    ], [vi("x", F32, [2])], [vi("y", F16, [2])])
+    with pytest.raises(PassError, match="shared"):
+        verify_model(dup)
+    with pytest.raises(PassError, match="keep_io_types"):
+        verify_model(convert_model(mlp(), "O2").model, io_types={"y": F16})
+
+
+def test_unknown_dtype_and_level_raise():
+    with pytest.raises(ValueError, match="fp16"):
+        convert_model(mlp(), "O2", "int8")
+    with pytest.raises(ValueError, match="amp_level"):
+        convert_model(mlp(), "O4")
+
+
+def test_regions_are_components_of_low_nodes():
+    result = convert_model(mlp(), "O2")
+    assert low_regions(result.dataflow, result.assignment) == [["mm1", "add1", "relu", "mm2"]]
+    o3 = convert_model(mlp(), "O3", op_block_list=["Relu"])
+    assert low_regions(o3.dataflow, o3.assignment) == [["mm1", "add1"], ["mm2", "ln", "softmax"]]
+
+
+def test_bisect_finds_the_needed_regions():
+    def error(kept):
+        return 0.0 if {2, 5} <= kept else 1.0
+
+    assert bisect_regions(8, error, 0.1) == {2, 5}
+    assert bisect_regions(3, lambda kept: 0.0, 0.1) == frozenset()
+    with pytest.raises(ValueError, match="cannot be met"):
+        bisect_regions(3, lambda kept: 1.0, 0.1)
+
+
+def test_passes_onnx_never_imports_ampgraph():
+    code = ("import sys, passes.onnx; "
+            "assert not [m for m in sys.modules if m.startswith('ampgraph')]")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+@pytest.mark.parametrize("level, bn", [("O2", F32), ("O3", F16)])
+def test_batch_normalization_follows_keep_norm_fp32(level, bn):
+    nodes = [
+        helper.make_node("Conv", ["x", "W"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+        helper.make_node("BatchNormalization", ["c", "s", "b", "mu", "var"], ["n"], name="bn"),
+        helper.make_node("Relu", ["n"], ["y"], name="relu"),
+    ]
+    inits = [init("W", rand(2, 2, 3, 3)), init("s", np.ones(2)), init("b", np.zeros(2)),
+             init("mu", rand(2)), init("var", np.ones(2))]
+    model = make(nodes, [vi("x", F32, [1, 2, 4, 4])], [vi("y", F32, [1, 2, 4, 4])], inits)
+    result = check(model, level, feeds={"x": rand(1, 2, 4, 4, scale=1.0)})
+    assert reads(result.model, "bn") == [bn] * 5 and reads(result.model, "conv")[0] == F16
