@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import io
 import logging
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -226,7 +228,9 @@ def export_module(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
 
 @contextlib.contextmanager
 def quiet_export_logs():
-    """torch.export logs each 0/1 specialisation as a warning; ampgraph handles those."""
+    """Silence torch.export's own chatter: it logs each 0/1 specialisation, and prints the
+    partial graph to stderr when it fails. ampgraph reports failures itself (a warning and
+    ``explain``). Warnings raised meanwhile still reach the user."""
     names = ("torch._export.non_strict_utils", "torch.fx.experimental.symbolic_shapes",
              "torch._dynamo", "torch.export")
     loggers = [logging.getLogger(n) for n in names]
@@ -234,7 +238,12 @@ def quiet_export_logs():
     for lg in loggers:
         lg.setLevel(logging.ERROR)
     try:
-        yield
+        with warnings.catch_warnings(record=True) as caught, \
+                contextlib.redirect_stderr(io.StringIO()):
+            warnings.simplefilter("default")
+            yield
+        for w in caught:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     finally:
         for lg, level in zip(loggers, levels):
             lg.setLevel(level)

@@ -24,6 +24,7 @@ from ampgraph._weights import WeightCache
 from ampgraph.capture import Captured, export_module, share_state, signature, unflatten_output
 from ampgraph.config import AmpConfig, dtype_name
 from passes.fx import run_amp_passes
+from passes.fx.casts import dtype_of
 from passes.fx.graph import module_info, op_key
 from passes.policy import FP32, LOW, NA
 
@@ -246,10 +247,9 @@ def node_rows(prefix: str, compiled: Compiled, low: torch.dtype) -> list[dict[st
         if precision == LOW:
             precision = dtype_name(low)
         elif precision == NA and decision is not None:
-            val = node.meta.get("amp_orig_val", node.meta.get("val"))
-            if isinstance(val, torch.Tensor) and val.dtype in (torch.float32, torch.float16,
-                                                               torch.bfloat16):
-                precision = dtype_name(node.meta.get("val").dtype)
+            now = dtype_of(node)
+            if now in (torch.float32, torch.float16, torch.bfloat16):
+                precision = dtype_name(now)
         elif precision == FP32:
             precision = "fp32"
         rows.append({"name": node.name, "op": op_key(node) if node.op == "call_function"

@@ -34,7 +34,19 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from passes.policy import ALLOW, CLEAR, DENY, FP32, INFER, LOW, NA, LevelPolicy
+from passes.policy import (
+    ALLOW,
+    CLEAR,
+    DENY,
+    FORCED_GROUPS,
+    FP32,
+    INFER,
+    LOW,
+    NA,
+    NORM_FP32,
+    LevelPolicy,
+    OpInfo,
+)
 
 COMPUTE = "compute"
 SOURCE = "source"
@@ -96,7 +108,7 @@ def paint(graph: nx.DiGraph, policy: LevelPolicy) -> Assignment:
             continue
         base = policy.base(info)
         if base in (LOW, FP32):
-            out[v] = Decision(base, _fixed_reason(info.cls, info.reason, policy.level), info.cls)
+            out[v] = Decision(base, _fixed_reason(info, base, policy.level), info.cls)
         else:
             pending[v] = base
     compute = graph.subgraph(cls)
@@ -110,16 +122,16 @@ def paint(graph: nx.DiGraph, policy: LevelPolicy) -> Assignment:
     return out
 
 
-def _fixed_reason(cls: str, reason: str, level: str) -> str:
-    if reason.startswith("custom_"):
-        return reason
-    if cls == ALLOW:
-        return f"allow list: {reason}"
-    if cls == DENY:
-        return f"deny list: {reason}"
+def _fixed_reason(info: OpInfo, precision: str, level: str) -> str:
+    if info.group in FORCED_GROUPS:
+        return f"deny list: {info.reason}" if info.group == NORM_FP32 else info.reason
     if level == "O3":
-        return f"O3: everything low precision ({cls} op)"
-    return f"{level}: whole network low precision ({cls} op: {reason})"
+        return f"O3: everything low precision ({info.cls} op)"
+    if info.cls == ALLOW and precision == LOW:
+        return f"allow list: {info.reason}"
+    if info.cls == DENY and precision == FP32:
+        return f"deny list: {info.reason}"
+    return f"{level}: whole network low precision ({info.cls} op: {info.reason})"
 
 
 def _reach(graph: nx.DiGraph, starts: Iterable[Hashable], through: set, forward: bool) -> set:
@@ -179,10 +191,12 @@ def _paint_o1(graph: nx.DiGraph, cls: dict, todo: set, out: Assignment) -> None:
 
 
 def _follow(graph: nx.DiGraph, todo: set, out: Assignment) -> None:
+    """O2 CLEAR ops: fp32 when every decided producer is fp32, else low; a CLEAR op fed only
+    by sources (directly or through other such CLEAR ops) follows its consumers instead."""
     order = [v for v in nx.topological_sort(graph) if v in todo]
     source_fed = []
     for v in order:
-        preds = list(graph.predecessors(v))
+        preds = [u for u in graph.predecessors(v) if u in out]  # chain members decide later
         if not preds:
             source_fed.append(v)
         elif all(out[u].precision == FP32 for u in preds):

@@ -95,3 +95,17 @@ def test_every_vertex_gets_a_decision_with_a_reason(level):
     g = chain("conv2d", "batch_norm", "relu", "mean", "linear", "log_softmax", "nll_loss")
     a = paint(g, make_policy(level))
     assert set(a) == set(g.nodes) and all(d.reason for d in a.values())
+
+
+def test_o2_clear_chain_fed_only_by_sources_follows_consumers():
+    """weight -> t -> expand -> mm: a CLEAR chain with no compute producer (was a KeyError)."""
+    g = nx.DiGraph()
+    g.add_node("w", kind="source")
+    for name, op in (("t", "aten.t"), ("expand", "aten.expand"), ("mm", "aten.mm"),
+                     ("view", "aten.view"), ("ln", "aten.layer_norm")):
+        g.add_node(name, kind="compute", op=op)
+    g.add_edges_from([("w", "t"), ("t", "expand"), ("expand", "mm"), ("w", "view"),
+                      ("view", "ln")])
+    p, _ = precisions(g, "O2")
+    assert p["t"] == p["expand"] == LOW
+    assert p["view"] == FP32
