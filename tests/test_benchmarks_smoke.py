@@ -1,0 +1,41 @@
+"""The benchmark harnesses run end to end (tiny sizes; no timing is asserted)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+
+
+@pytest.mark.slow
+def test_perf_harness_smoke_mode_writes_every_mode(tmp_path):
+    out = tmp_path / "perf.json"
+    proc = run("benchmarks/perf.py", "--smoke", "--models", "mlp,bert", "--levels", "O2",
+               "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = json.loads(out.read_text())
+    for model in ("mlp", "bert"):
+        entry = data["models"][model]
+        assert set(entry["train"]) == {"fp32", "autocast", "O2", "floor"}
+        assert all(v["median_ms"] > 0 for v in entry["infer"].values())
+        assert set(entry["peak_mib"]) == {"fp32", "autocast", "O2", "floor"}
+    assert "x autocast" in proc.stdout
+
+
+@pytest.mark.slow
+def test_compile_scaling_smoke(tmp_path):
+    out = tmp_path / "scaling.json"
+    proc = run("benchmarks/compile_scaling.py", "--sizes", "100,400", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(out.read_text())
+    assert [r["nodes"] > 0 for r in rows] == [True, True]
