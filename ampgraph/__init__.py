@@ -17,16 +17,41 @@ from ampgraph.train_step import StepOutput, TrainStep, build_train_step
 
 __version__ = "0.1.0"
 
+# The ONNX dialect imports onnx/onnxruntime: loaded on first use, so `import ampgraph` stays lean.
+_LAZY = {name: "ampgraph.onnx" for name in (
+    "OnnxModelError", "ValidationReport", "convert_onnx", "export_onnx", "onnx_session",
+    "validate_onnx")}
+_LAZY["NumericsMonitor"] = "ampgraph.monitor"
+_LAZY["NumericsWarning"] = "ampgraph.monitor"
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'ampgraph' has no attribute {name!r}")
+
 __all__ = [
     "AmpConfig",
     "AmpModule",
     "DynamicLossScaleManager",
     "FixedLossScaleManager",
     "LossScaleManager",
+    "NumericsMonitor",
+    "NumericsWarning",
+    "OnnxModelError",
     "PrecisionReport",
     "StepOutput",
     "TrainStep",
+    "ValidationReport",
     "build_train_step",
     "compile",
+    "convert_onnx",
     "explain",
+    "export_onnx",
+    "onnx_session",
+    "validate_onnx",
 ]

@@ -1,4 +1,4 @@
-"""The ``ampgraph`` command line: ``inspect``, ``convert``, ``export`` and ``bench``.
+"""The ``ampgraph`` command line: inspect, convert, export, bench, monitor-report.
 
 TARGET is an ``.onnx`` file or a factory returning an ``nn.Module``:
 ``path/to/file.py:function`` (``path/to/file.py`` alone means ``:make_model``) or
@@ -164,6 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     _add_inputs(p)
     p.set_defaults(func=cmd_bench)
+    p = sub.add_parser("monitor-report", add_help=False,
+                       help="summarise a NumericsMonitor log directory (and --plot a PNG)")
+    p.add_argument("args", nargs=argparse.REMAINDER)
     return parser
 
 
@@ -182,6 +185,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         >>> main(["inspect", "models/lenet5.py:make_model", "--format", "json"])
         0
     """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["monitor-report"]:  # its own argparse (ampgraph.monitor.report_main)
+        from ampgraph.monitor import report_main
+
+        return report_main(argv[1:])
     args = build_parser().parse_args(argv)
     debug = bool(getattr(args, "debug", False))
     with warnings.catch_warnings():
