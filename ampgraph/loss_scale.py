@@ -233,7 +233,8 @@ class FixedLossScaleManager(LossScaleManager):
 class DynamicLossScaleManager(LossScaleManager):
     """A loss scale that backs off on overflow and grows after clean steps (MindSpore).
 
-    On overflow the scale is divided by ``scale_factor`` (never below 1.0) and the count of
+    On overflow the scale is divided by ``scale_factor`` (never below ``min_loss_scale``,
+    default 1.0) and the count of
     clean steps restarts; after ``scale_window`` consecutive clean steps it is multiplied by
     ``scale_factor`` unless that would make it infinite. The update is
     ``torch._amp_update_scale_`` (GradScaler's own kernel, backoff ``1/scale_factor``) followed
@@ -245,6 +246,9 @@ class DynamicLossScaleManager(LossScaleManager):
         init_loss_scale: the first scale (MindSpore default 2**24; GradScaler uses 2**16).
         scale_factor: growth and backoff factor, > 1.
         scale_window: clean steps before the scale grows, an integer >= 1.
+        min_loss_scale: the floor, >= 1 and <= init_loss_scale. A floor above 1 stops a burst
+            of overflows from collapsing the scale until small gradients underflow (the
+            remedy ``NumericsMonitor`` suggests); overflowing steps are still skipped.
 
     Raises:
         ValueError: an argument outside those ranges, or not a number.
@@ -260,12 +264,18 @@ class DynamicLossScaleManager(LossScaleManager):
     dynamic = True
 
     def __init__(
-        self, init_loss_scale: float = 2**24, scale_factor: float = 2, scale_window: int = 2000
+        self, init_loss_scale: float = 2**24, scale_factor: float = 2, scale_window: int = 2000,
+        *, min_loss_scale: float = 1.0,
     ) -> None:
         owner = type(self).__name__
-        super().__init__(_scale_value(owner, "init_loss_scale", init_loss_scale))
+        init = _scale_value(owner, "init_loss_scale", init_loss_scale)
+        super().__init__(init)
         self.scale_factor = _factor_value(owner, scale_factor)
         self.scale_window = _window_value(owner, scale_window)
+        self.min_loss_scale = _scale_value(owner, "min_loss_scale", min_loss_scale)
+        if self.min_loss_scale > init:
+            raise ValueError(f"{owner}: min_loss_scale ({min_loss_scale!r}) must be <= "
+                             f"init_loss_scale ({init_loss_scale!r})")
         self._growth_tracker = torch.zeros((), dtype=torch.int32)
 
     @property
@@ -292,20 +302,21 @@ class DynamicLossScaleManager(LossScaleManager):
             self._scale, self._growth_tracker, found_inf,
             self.scale_factor, 1.0 / self.scale_factor, self.scale_window,
         )
-        self._scale.clamp_min_(1.0)
+        self._scale.clamp_min_(self.min_loss_scale)
 
     def state_dict(self) -> dict[str, Any]:
         """Scale, factor, window and the clean-step count, as Python numbers.
 
         Example:
             >>> sorted(DynamicLossScaleManager().state_dict())
-            ['growth_tracker', 'loss_scale', 'scale_factor', 'scale_window']
+            ['growth_tracker', 'loss_scale', 'min_loss_scale', 'scale_factor', 'scale_window']
         """
         return {
             "loss_scale": self.get_loss_scale(),
             "scale_factor": self.scale_factor,
             "scale_window": self.scale_window,
             "growth_tracker": int(self._growth_tracker.item()),
+            "min_loss_scale": self.min_loss_scale,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -320,7 +331,8 @@ class DynamicLossScaleManager(LossScaleManager):
         keys = ("loss_scale", "scale_factor", "scale_window", "growth_tracker")
         self._check_keys(state_dict, keys)
         fresh = DynamicLossScaleManager(
-            state_dict["loss_scale"], state_dict["scale_factor"], state_dict["scale_window"]
+            state_dict["loss_scale"], state_dict["scale_factor"], state_dict["scale_window"],
+            min_loss_scale=min(state_dict.get("min_loss_scale", 1.0), state_dict["loss_scale"]),
         )
         tracker = state_dict["growth_tracker"]
         if isinstance(tracker, torch.Tensor):
@@ -331,9 +343,11 @@ class DynamicLossScaleManager(LossScaleManager):
                 f">= 0, got {tracker!r}"
             )
         self.scale_factor, self.scale_window = fresh.scale_factor, fresh.scale_window
+        self.min_loss_scale = fresh.min_loss_scale
         self._scale.fill_(fresh.get_loss_scale())
         self._growth_tracker.fill_(tracker)
 
     def __repr__(self) -> str:
         return (f"DynamicLossScaleManager(loss_scale={self.get_loss_scale()}, "
-                f"scale_factor={self.scale_factor}, scale_window={self.scale_window})")
+                f"scale_factor={self.scale_factor}, scale_window={self.scale_window}, "
+                f"min_loss_scale={self.min_loss_scale})")

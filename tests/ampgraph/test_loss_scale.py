@@ -176,7 +176,8 @@ def test_dynamic_state_dict_resumes_exactly():
         first.update_loss_scale(flag)
         got.append(first.get_loss_scale())
     state = first.state_dict()
-    assert set(state) == {"loss_scale", "scale_factor", "scale_window", "growth_tracker"}
+    assert set(state) == {"loss_scale", "scale_factor", "scale_window", "growth_tracker",
+                          "min_loss_scale"}
     resumed = DynamicLossScaleManager()
     resumed.load_state_dict(state)
     for flag in pattern[137:]:
@@ -208,3 +209,19 @@ def test_load_state_dict_keeps_tensor_identity():
 def test_repr_names_the_state():
     assert "scale_window=2000" in repr(DynamicLossScaleManager())
     assert "loss_scale=128.0" in repr(FixedLossScaleManager())
+
+
+def test_min_loss_scale_floors_the_backoff_and_round_trips():
+    from ampgraph import DynamicLossScaleManager
+
+    m = DynamicLossScaleManager(init_loss_scale=2**10, min_loss_scale=2**7)
+    for _ in range(10):
+        m.update_loss_scale(True)
+    assert m.get_loss_scale() == 2**7
+    fresh = DynamicLossScaleManager()
+    fresh.load_state_dict(m.state_dict())
+    assert fresh.min_loss_scale == 2**7 and fresh.get_loss_scale() == 2**7
+    with pytest.raises(ValueError, match="min_loss_scale"):
+        DynamicLossScaleManager(init_loss_scale=4, min_loss_scale=8)
+    with pytest.raises(ValueError, match="min_loss_scale"):
+        DynamicLossScaleManager(min_loss_scale=0.5)
