@@ -175,7 +175,7 @@ def _scale_remedy(history: History, collapse: bool) -> str:
     ran without overflow (a floor there skips the overflowing steps instead of collapsing).
     """
     if history.dtype != "fp16":
-        return "set a minimum loss scale (e.g. FixedLossScaleManager(loss_scale=1024))"
+        return "set a minimum loss scale (e.g. DynamicLossScaleManager(min_loss_scale=1024))"
     grads = history.series.get("grads", {})
     biggest = max((m for s in grads.values() for m in s["max_abs"][-1:] if m), default=0.0)
     bounds = []
@@ -194,13 +194,13 @@ def _scale_remedy(history: History, collapse: bool) -> str:
             lowest = math.floor(math.log2(min(overflowed)))
             bounds.append((lowest - 1, f"the lowest scale that overflowed was 2**{lowest}"))
     if not bounds:
-        return "set a minimum loss scale (e.g. FixedLossScaleManager(loss_scale=1024))"
+        return "set a minimum loss scale (e.g. DynamicLossScaleManager(min_loss_scale=1024))"
     exponent, why = min(bounds)
     current = history.logged_scales[-1] if history.logged_scales else 1.0
     if 2.0**exponent <= current:
         return f"a higher loss scale is not available ({why}; the scale is {current:g})"
-    return (f"set a minimum loss scale of 2**{exponent} (FixedLossScaleManager(loss_scale="
-            f"2**{exponent}), or clamp GradScaler's scale after update(); {why})")
+    return (f"set a minimum loss scale of 2**{exponent} (DynamicLossScaleManager("
+            f"min_loss_scale=2**{exponent}), or clamp GradScaler's scale after update(); {why})")
 
 
 def _underflow_rising(history: History) -> Diagnosis | None:
