@@ -29,6 +29,10 @@ class PassError(RuntimeError):
         super().__init__(f"[{pass_name}]{where}: {message}")
 
 
+class ConstantRangeWarning(UserWarning):
+    """A constant outside the low dtype's range was clamped (or kept its consumer fp32)."""
+
+
 class PassManager:
     """Runs passes in order; each is ``fn(graph) -> PassResult``.
 

@@ -15,6 +15,7 @@ tests to check the fast rule).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,7 +24,7 @@ from torch import fx
 from torch._guards import detect_fake_mode
 from torch.utils._pytree import tree_map
 
-from passes._infra import PassError, PassResult
+from passes._infra import ConstantRangeWarning, PassError, PassResult
 from passes.fx.graph import FLOATS, explicit_cast_dtype, op_key, tensors
 from passes.paint import Decision
 from passes.policy import FP32, LOW, fixed_slots
@@ -69,7 +70,7 @@ def required_dtype(node: fx.Node, slot: int | str, arg: fx.Node, low: torch.dtyp
     This one function decides for both cast insertion and verification.
     """
     orig = _orig_dtype(arg)
-    if orig not in FLOATS:
+    if orig not in FLOATS or node.meta.get("amp_inserted"):
         return KEEP
     if explicit_cast_dtype(node) is not None or op_key(node) == "getitem":
         return KEEP
@@ -143,14 +144,9 @@ class _Caster:
         hoist = src.op in ("get_attr", "placeholder")
         value = src
         with self.gm.graph.inserting_after(self.anchor if hoist else src):
-            if dtype == torch.float16 and src.meta.get("amp_saturate"):
-                # a -inf stand-in (mask fill) beyond fp16's range: clamp, don't overflow
-                value = self.gm.graph.call_function(
-                    torch.ops.aten.clamp.default, (src, -65504.0, 65504.0))
-                value.meta.update(val=src.meta.get("val"), amp_dtype=dtype_of(src),
-                                  amp_precision="n/a",
-                                  amp_reason="fp16 range: clamp a mask fill to +-65504 before "
-                                             "the fp16 cast (exact for masking)")
+            bound = src.meta.get("amp_saturate")
+            if bound is not None and dtype in (torch.float16, torch.bfloat16):
+                value = self._saturate(src, dtype)
         with self.gm.graph.inserting_after(value):
             cast = self.gm.graph.call_function(CAST, (value,), {"dtype": dtype})
         cast.meta.update(amp_cast=True, amp_precision="n/a",
@@ -162,6 +158,23 @@ class _Caster:
         self.cache[key] = cast
         self.count += 1
         return cast
+
+
+    def _saturate(self, src: fx.Node, dtype: torch.dtype) -> fx.Node:
+        """Clamp a -inf stand-in (a mask fill beyond ``dtype``'s range) before casting."""
+        limit = float(torch.finfo(dtype).max)
+        value = self.gm.graph.call_function(torch.ops.aten.clamp.default, (src, -limit, limit))
+        value.meta.update(
+            val=src.meta.get("val"), amp_dtype=dtype_of(src), amp_precision="n/a",
+            amp_inserted=True,
+            amp_reason=f"range: clamp a mask fill to +-{limit:g} before the {dtype} cast "
+                       "(exact for masking)")
+        warnings.warn(
+            f"ampgraph: {src.name} holds a mask fill ({src.meta['amp_saturate']:g} or lower) "
+            f"beyond {dtype}'s range; it is clamped to -{limit:g} before the cast, which is "
+            "exact for masking (exp underflows to 0 either way)",
+            ConstantRangeWarning, stacklevel=2)
+        return value
 
 
 def _widening(low: torch.dtype, high: torch.dtype | None) -> bool:

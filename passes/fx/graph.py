@@ -80,6 +80,8 @@ def classify(node: fx.Node) -> tuple[str, str]:
         return NONFLOAT, "non-float buffer"
     if node.op != "call_function":
         return NONFLOAT, "not an op"
+    if node.meta.get("amp_inserted"):
+        return SOURCE, node.meta.get("amp_reason", "inserted by ampgraph")
     if any(t.dtype == torch.float64 for t in tensors(val)):
         return NONFLOAT, "fp64 is never changed"
     if not is_float(val):

@@ -1,15 +1,18 @@
-"""fp16 range hazards: constants fp16 cannot hold, found before painting.
+"""Range hazards: constants the low dtype cannot hold, found before painting.
 
-fp16 holds magnitudes from 2**-24 to 65504. A constant outside that range changes meaning
-when an op runs in fp16: ``masked_fill(x, m, -1e9)`` writes -inf (a fully masked softmax row
-turns to NaN), ``x + 1e-8`` adds zero, ``x * 1e5`` overflows. bf16 has fp32's range: no
-hazard. For fp16 this analysis
+fp16 holds magnitudes from 2**-24 to 65504; bf16 has fp32's exponent range but its largest
+value (3.3895e38) is below fp32's (3.4028e38), so ``torch.finfo(torch.float32).min`` as a
+mask fill does not fit either. A constant outside the range changes meaning when its op
+runs low: ``masked_fill(x, m, -1e9)`` writes -inf in fp16 (a fully masked softmax row turns
+to NaN), ``x + 1e-9`` adds zero, ``x * 1e5`` overflows. This analysis
 
 - keeps the op that holds such a constant in fp32 (vertex attribute ``forced``);
 - marks a value whose out-of-range constants are all large negative fills (a -inf stand-in
-  for masking) as ``saturate``: casting it to fp16 clamps to -65504 first, which is exact
-  for masking (exp underflows to 0 either way) and keeps fully masked rows finite;
-- keeps the direct consumers of any other out-of-range value in fp32 too.
+  for masking) as ``saturate``: casting it to the low dtype clamps to the dtype's lowest
+  finite value first, which is exact for masking (exp underflows to 0 either way) and keeps
+  fully masked rows finite; a :class:`ConstantRangeWarning` says so;
+- keeps the consumers of a too-small constant's op in fp32, and everything downstream of a
+  too-large constant until a normalising op (norm, softmax) brings values back in range.
 """
 
 from __future__ import annotations
@@ -21,42 +24,56 @@ import networkx as nx
 import torch
 from torch import fx
 
+from passes._infra import ConstantRangeWarning
 from passes.fx.graph import op_key
 from passes.paint import COMPUTE
 from passes.policy import FP32
 
-FP16_MAX = 65504.0
-FP16_TINY = 2.0**-24  # smallest fp16 subnormal: anything smaller becomes 0
-
-
-def _out_of_range(v: Any) -> bool:
-    if isinstance(v, bool) or not isinstance(v, float):
-        return False
-    if math.isnan(v) or math.isinf(v):
-        return False  # already inf/nan in fp32: fp16 keeps the meaning
-    return abs(v) > FP16_MAX or (v != 0.0 and abs(v) < FP16_TINY)
-
-
 # Norm kernels add eps inside an fp32 (opmath) accumulation even for fp16 inputs, so a tiny
-# eps (BERT's 1e-12) is not a hazard there.
+# eps (BERT's 1e-12) is not a hazard there; they also bring values back into range.
 FP32_ACCUMULATING = frozenset(
     "aten.layer_norm aten.native_layer_norm aten.batch_norm aten.native_batch_norm "
     "aten._native_batch_norm_legit aten._native_batch_norm_legit_functional "
     "aten._native_batch_norm_legit_no_training aten.group_norm aten.native_group_norm "
     "aten.instance_norm aten.rms_norm aten._fused_rms_norm".split()
 )
+NORMALISING = FP32_ACCUMULATING | {"aten.softmax", "aten._softmax", "aten.log_softmax",
+                                   "aten._log_softmax", "aten._safe_softmax"}
+
+__all__ = ["ConstantRangeWarning", "mark_range_hazards", "low_range"]
 
 
-def _scalars(node: fx.Node) -> list[float]:
+def low_range(dtype: torch.dtype) -> tuple[float, float]:
+    """(largest finite magnitude, smallest non-zero magnitude) of a low dtype."""
+    info = torch.finfo(dtype)
+    return float(info.max), float(info.smallest_normal) * 2.0 ** -(info.bits - 1 - _exp_bits(
+        dtype))
+
+
+def _exp_bits(dtype: torch.dtype) -> int:
+    return {torch.float16: 5, torch.bfloat16: 8}[dtype]
+
+
+def _packet(node: fx.Node) -> str:
+    return ".".join(op_key(node).split(".")[:2])
+
+
+def _out_of_range(v: Any, big: float, tiny: float) -> bool:
+    if isinstance(v, bool) or not isinstance(v, float) or math.isnan(v) or math.isinf(v):
+        return False  # inf/nan already mean the same in every float dtype
+    return abs(v) > big or (v != 0.0 and abs(v) < tiny)
+
+
+def _scalars(node: fx.Node, big: float, tiny: float) -> list[float]:
+    if _packet(node) in FP32_ACCUMULATING:
+        return []
     out: list[float] = []
-    if ".".join(op_key(node).split(".")[:2]) in FP32_ACCUMULATING:
-        return out
 
     def walk(a: Any) -> None:
         if isinstance(a, (list, tuple)):
             for x in a:
                 walk(x)
-        elif _out_of_range(a):
+        elif _out_of_range(a, big, tiny):
             out.append(a)
 
     walk(node.args)
@@ -64,45 +81,66 @@ def _scalars(node: fx.Node) -> list[float]:
     return out
 
 
-def _tensor_constant(gm: fx.GraphModule, node: fx.Node) -> list[float]:
+def _tensor_constant(gm: fx.GraphModule, node: fx.Node, big: float, tiny: float) -> list[float]:
     if node.op != "get_attr":
         return []
     try:
-        value = gm.get_buffer(node.target) if "." in node.target or hasattr(gm, node.target) \
-            else None
+        value = gm.get_buffer(node.target)
     except AttributeError:
         value = getattr(gm, node.target, None)
     if not isinstance(value, torch.Tensor) or isinstance(value, torch.nn.Parameter):
         return []
     if not value.is_floating_point() or value.numel() == 0 or value.device.type == "meta":
         return []
-    finite = value[torch.isfinite(value)].float()
-    bad = finite[(finite.abs() > FP16_MAX) | ((finite != 0) & (finite.abs() < FP16_TINY))]
+    finite = value[torch.isfinite(value)].double()
+    bad = finite[(finite.abs() > big) | ((finite != 0) & (finite.abs() < tiny))]
     return [float(bad.min()), float(bad.max())] if bad.numel() else []
 
 
-def mark_fp16_hazards(graph: nx.DiGraph, gm: fx.GraphModule) -> dict[str, str]:
-    """Annotate ``graph`` (and ``node.meta``) with fp16 range hazards; return name -> reason.
+def mark_range_hazards(graph: nx.DiGraph, gm: fx.GraphModule, low: torch.dtype) -> dict:
+    """Annotate ``graph`` (and ``node.meta``) with ``low``'s range hazards.
+
+    Returns:
+        node name -> reason, for every node holding an out-of-range constant.
 
     Example:
-        >>> hazards = mark_fp16_hazards(build_dataflow(gm), gm)
+        >>> hazards = mark_range_hazards(build_dataflow(gm), gm, torch.float16)
     """
+    big, tiny = low_range(low)
+    name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[low]
     found: dict[str, str] = {}
-    for node in gm.graph.nodes:
-        values = _scalars(node) if node.op == "call_function" else _tensor_constant(gm, node)
+
+    def force(node: fx.Node, reason: str) -> None:
+        data = graph.nodes.get(node.name) if node.name in graph else None
+        if data is not None and data.get("kind") == COMPUTE and not data.get("forced"):
+            data["forced"] = (FP32, reason)
+
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function":
+            values = _scalars(node, big, tiny)
+        else:
+            values = _tensor_constant(gm, node, big, tiny)
         if not values or node.name not in graph:
             continue
         shown = ", ".join(f"{v:g}" for v in sorted(set(values))[:3])
-        mask_fill = all(v <= -FP16_MAX for v in values)
-        reason = f"fp16 range: constant {shown} is outside fp16's range"
-        if graph.nodes[node.name].get("kind") == COMPUTE:
-            graph.nodes[node.name]["forced"] = (FP32, reason + ", kept fp32")
+        reason = f"{name} range: constant {shown} is outside {name}'s range"
+        force(node, reason + ", kept fp32")
         found[node.name] = reason
-        if mask_fill:
-            node.meta["amp_saturate"] = True  # a -inf stand-in: clamp when cast to fp16
+        if all(v <= -big for v in values):  # a -inf stand-in: clamp when cast down
+            node.meta["amp_saturate"] = min(values)
             continue
-        for user in node.users:
-            if user.name in graph and graph.nodes[user.name].get("kind") == COMPUTE:
-                graph.nodes[user.name]["forced"] = (
-                    FP32, f"fp16 range: consumes {node.name} ({shown}), kept fp32")
+        if all(abs(v) < tiny for v in values):  # a vanishing epsilon: its readers stay fp32
+            for user in node.users:
+                force(user, f"{name} range: reads {node.name} ({shown}), kept fp32")
+            continue
+        # a large value: everything downstream stays fp32 until a normalising op
+        stack, seen = list(node.users), set()
+        while stack:
+            user = stack.pop()
+            if user in seen:
+                continue
+            seen.add(user)
+            force(user, f"{name} range: downstream of {node.name} ({shown}), kept fp32")
+            if _packet(user) not in NORMALISING:
+                stack.extend(user.users)
     return found

@@ -11,7 +11,7 @@ from torch import fx
 
 from passes.fx.casts import annotate, count_casts, fold_casts, insert_casts
 from passes.fx.graph import build_dataflow, prepare
-from passes.fx.hazards import mark_fp16_hazards
+from passes.fx.hazards import mark_range_hazards
 from passes.fx.verify import verify
 from passes.fx.weights import route_weight_casts
 from passes.paint import Decision, paint
@@ -51,8 +51,8 @@ def run_amp_passes(
     """
     prepare(gm)
     graph = build_dataflow(gm)
-    if low == torch.float16 and policy.level != "O0":
-        mark_fp16_hazards(graph, gm)
+    if low in (torch.float16, torch.bfloat16) and policy.level != "O0":
+        mark_range_hazards(graph, gm, low)
     decisions = paint(graph, policy)
     annotate(gm, decisions)
     insert_casts(gm, low, keep_io_types=keep_io_types, recompile=False)

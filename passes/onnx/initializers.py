@@ -22,20 +22,13 @@ import ml_dtypes
 import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
+from passes._infra import ConstantRangeWarning  # noqa: F401 - re-exported
 from passes.onnx.graph import ModelIndex, NodeRec, ValueRec
 from passes.onnx.policy import BFLOAT16, DATA_MOVES, FLOAT16, SATURATING, dtype_limits
 
 _SMALL = 16  # tensors up to this size are scalars/epsilons: any clamp is reported
 VALUE_FREE = frozenset({"Shape", "Size"})  # read only the shape of their input
 _NP = {FLOAT16: np.float16, BFLOAT16: ml_dtypes.bfloat16, TensorProto.FLOAT: np.float32}
-
-
-class ConstantRangeWarning(UserWarning):
-    """A constant was clamped into the range of the low-precision dtype.
-
-    Example:
-        >>> warnings.simplefilter("error", ConstantRangeWarning)  # make clamping fatal
-    """
 
 
 def const_tensor(value: ValueRec) -> TensorProto:
