@@ -86,6 +86,16 @@ def convert_onnx(
     if dtype not in ("fp16", "bf16", "float16", "bfloat16"):
         raise ValueError(f"unknown dtype {dtype!r} for ONNX: choose 'fp16' or 'bf16'")
     proto, external = pio.load_model(model)
+    stamp = {p.key: p.value for p in proto.metadata_props}
+    if stamp.get("ampgraph.amp_level", "O0") != "O0":  # converting twice: no-op, or refused
+        if (stamp["ampgraph.amp_level"], stamp.get("ampgraph.dtype")) != (amp_level, dtype):
+            raise ValueError(
+                f"this model was already converted by ampgraph at {stamp['ampgraph.amp_level']} "
+                f"{stamp.get('ampgraph.dtype')}; convert the original FP32 model instead"
+            )
+        if output_path is not None:
+            proto = pio.save_model(proto, Path(output_path), external)
+        return proto
     kw = dict(keep_io_types=keep_io_types, op_block_list=tuple(op_block_list or ()),
               node_block_list=tuple(node_block_list or ()), keep_norm_fp32=keep_norm_fp32)
     owned = not isinstance(model, ModelProto) and auto_tolerance is None  # loaded here

@@ -17,7 +17,12 @@ from onnx import ModelProto
 
 from passes.onnx.casts import IN, Requests, Rewriter, collect_requests
 from passes.onnx.graph import ModelIndex, build_dataflow, module_key
-from passes.onnx.initializers import ConstantRangeWarning, clamp_warning, unsafe_range_consumers
+from passes.onnx.initializers import (
+    ConstantRangeWarning,
+    clamp_warning,
+    large_constant_cones,
+    unsafe_range_consumers,
+)
 from passes.onnx.policy import FLOAT, LOW_DTYPES, ONNX_TABLE
 from passes.onnx.schema import low_blocker
 from passes.onnx.verify import verify_model
@@ -131,6 +136,8 @@ def convert_model(
         requests = collect_requests(index, assignment, low, keep_io_types)
         precision = {k: d.precision for k, d in assignment.items() if isinstance(k, str)}
         extra = unsafe_range_consumers(index, _low_readers(index, requests, low), low, precision)
+        extra.update({k: v for k, v in large_constant_cones(index, low, precision).items()
+                      if k not in forced})
         if not extra:
             break
         forced.update(extra)

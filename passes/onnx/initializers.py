@@ -191,7 +191,65 @@ def unsafe_range_consumers(
         for node in chain:
             if precision.get(node) == "low":
                 forced.setdefault(node, why)
+        if pos:  # a large product stays large: keep everything downstream fp32 until a
+            # normalising op brings values back into range (the FX pass does the same)
+            for node in _downstream(index, chain):
+                if precision.get(node) == "low":
+                    forced.setdefault(node, f"downstream of {why}")
     return forced
+
+
+def large_constant_cones(index: ModelIndex, low: int, precision: dict[str, str]) -> dict:
+    """Low nodes downstream of any reader (fp32 or low) of a large positive constant.
+
+    A product like ``x * 1e5`` computed in fp32 is still beyond fp16's range, so the low ops
+    after it must stay fp32 until a normalising op.
+
+    Example:
+        >>> large_constant_cones(index, FLOAT16, precision)
+        {'mm': "downstream of constant 'big' (1e+05) ..."}
+    """
+    forced: dict[str, str] = {}
+    for name, value in index.values.items():
+        is_const = value.tensor is not None or (
+            value.producer is not None and value.producer.role == "const")
+        if not is_const or value.dtype not in (TensorProto.FLOAT, TensorProto.DOUBLE):
+            continue
+        arr = to_array(const_tensor(value))
+        _, pos, _ = range_stats(arr, low)
+        if not pos:
+            continue
+        readers = [rec.name for rec, _ in index.consumers.get(name, ())]
+        why = (f"downstream of constant {name!r} ({float(np.nanmax(arr)):.3g}), beyond the "
+               f"{_tag(low)} range")
+        for node in _downstream(index, readers):
+            if precision.get(node) == "low":
+                forced.setdefault(node, why)
+    return forced
+
+
+_NORMALISING = frozenset(
+    "LayerNormalization BatchNormalization GroupNormalization InstanceNormalization "
+    "RMSNormalization SimplifiedLayerNormalization Softmax LogSoftmax".split()
+)
+
+
+def _downstream(index: ModelIndex, start: list[str]) -> list[str]:
+    by_name = {rec.name: rec for rec in index.nodes}
+    seen: set[str] = set()
+    stack = [by_name[n] for n in start if n in by_name]
+    out: list[str] = []
+    while stack:
+        rec = stack.pop()
+        for value in rec.node.output:
+            for nxt, _ in index.consumers.get(value, ()):
+                if nxt.name in seen:
+                    continue
+                seen.add(nxt.name)
+                out.append(nxt.name)
+                if nxt.node.op_type not in _NORMALISING:
+                    stack.append(nxt)
+    return out
 
 
 def _exact(index: ModelIndex, rec: NodeRec, slot: int, sign: int, chain: list[str],
