@@ -33,6 +33,9 @@ from passes.policy import LOW
 IN, OUT = "in", "out"
 
 
+INSERTED = "ampgraph: inserted cast"  # doc_string of the casts this pass adds
+
+
 @dataclass
 class Requests:
     """What every consumer slot asks for, after painting.
@@ -85,6 +88,8 @@ def collect_requests(
             want = low if isinstance(d, Decision) and d.precision == LOW else FLOAT
             ins, outs = plan_node(node, rec.opset, types, want)
             req.out_dtype.update({node.output[j]: dt for j, dt in outs.items()})
+        elif rec.role == "control" and node.op_type == "Cast":
+            ins = {}  # a user's narrowing Cast converts whatever float it is given
         elif rec.role == "control":
             ins = {i: types[v] for i, v in enumerate(node.input) if types.get(v) in FLOAT_TYPES}
         elif rec.role == "nonfloat":
@@ -195,7 +200,7 @@ class Rewriter:
     def _cast(self, src: str, out: str, dtype: int) -> NodeProto:
         self.casts += 1
         return helper.make_node("Cast", [src], [out], name=self.index.fresh(f"{out}_cast"),
-                                to=dtype)
+                                to=dtype, doc_string=INSERTED)
 
     def _note_clamp(self, name: str, n: int) -> None:
         if n:

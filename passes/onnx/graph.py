@@ -7,8 +7,9 @@ value gets an edge from that value's producer, wherever it lives.
 Each node gets a *role* that tells the rewriter how to treat it:
 
 - ``compute``: float inputs and outputs; painted (``kind="compute"``).
-- ``alias``: a float->float Cast; painted as a CLEAR op, then removed (its consumers read
-  the source value in whatever dtype they need, so no Cast->Cast chain survives).
+- ``alias``: a widening float->float Cast; painted as a CLEAR op, then removed (its
+  consumers read the source value in whatever dtype they need, so no Cast->Cast chain
+  survives). A *narrowing* user Cast rounds on purpose and is kept, as a ``control`` node.
 - ``retarget``: a Cast from int/bool/double to float: its ``to`` follows its consumers.
 - ``const``: Constant / ConstantOfShape: converted (or duplicated) per requested dtype.
 - ``control``: If/Loop/Scan and calls to local functions: interfaces keep their dtypes.
@@ -196,6 +197,21 @@ def _guess(node: NodeProto, types: dict[str, int]) -> int:
     return next((types[v] for v in node.input if types.get(v) in FLOAT_TYPES), 0)
 
 
+_RANK = {TensorProto.DOUBLE: 3, TensorProto.FLOAT: 2, TensorProto.FLOAT16: 1,
+         TensorProto.BFLOAT16: 1}
+
+
+def _cast_to(node: NodeProto) -> int:
+    return next((a.i for a in node.attribute if a.name == "to"), 0)
+
+
+def _rounds(src: int, dst: int) -> bool:
+    """A float->float Cast that loses precision (fp32->fp16, fp16<->bf16, fp64->fp32)."""
+    if src not in _RANK or dst not in _RANK:
+        return False
+    return _RANK[dst] < _RANK[src] or (_RANK[dst] == _RANK[src] == 1 and dst != src)
+
+
 def _role(node: NodeProto, types: dict[str, int], is_local_function: bool) -> str:
     in_float = any(types.get(v) in FLOAT_TYPES for v in node.input if v)
     out_float = any(types.get(v) in FLOAT_TYPES for v in node.output if v)
@@ -207,6 +223,8 @@ def _role(node: NodeProto, types: dict[str, int], is_local_function: bool) -> st
     if not out_float:
         return "nonfloat"
     if default_domain and node.op_type == "Cast":
+        if in_float and _rounds(types.get(node.input[0], 0), _cast_to(node)):
+            return "control"  # a user's narrowing Cast rounds on purpose: kept as written
         return "alias" if in_float else "retarget"
     if default_domain and node.op_type in ("Constant", "ConstantOfShape"):
         return "const"

@@ -18,7 +18,8 @@ import onnx
 from onnx import ModelProto, TensorProto
 
 from passes._infra import PassError
-from passes.onnx.graph import infer_types
+from passes.onnx.casts import INSERTED
+from passes.onnx.graph import _rounds, infer_types
 from passes.onnx.policy import FLOAT_TYPES
 from passes.onnx.subgraphs import all_graphs
 
@@ -59,13 +60,17 @@ def verify_model(
             to = next(a.i for a in node.attribute if a.name == "to")
             src = node.input[0]
             key = (src, to)
-            if key in casts:
+            if key in casts and node.doc_string == INSERTED:  # a user's own Cast may repeat
                 raise PassError("verify", node.name, f"second Cast of {src!r} to "
                                 f"{_dt(to)} (first: {casts[key]!r}); casts must be shared")
             casts[key] = node.name
             prev = producers.get(src)
             if (to in FLOAT_TYPES and types.get(src) in FLOAT_TYPES and prev is not None
-                    and prev.op_type == "Cast" and types.get(prev.input[0]) in FLOAT_TYPES):
+                    and prev.op_type == "Cast" and types.get(prev.input[0]) in FLOAT_TYPES
+                    and types.get(prev.input[0]) == to
+                    and not _rounds(types.get(prev.input[0], 0), types.get(src, 0))):
+                # only low -> fp32 -> low is a waste; after a narrowing (user) Cast the
+                # chain rounds on purpose
                 raise PassError("verify", node.name, f"Cast->Cast round trip through {src!r} "
                                 f"(from {prev.name!r})")
     for name, dtype in (io_types or {}).items():
