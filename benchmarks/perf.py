@@ -11,8 +11,8 @@ modes alike); the median of ``--steps`` steps after ``--warmup`` is reported wit
 Modes: fp32 eager, torch.autocast (+GradScaler for fp16), ampgraph O1/O2/O3, the whole
 model cast to the low dtype ("floor": fast, numerically unsafe), and O2 through
 torch.compile with ``--inductor``. Peak memory of a training step is measured per mode:
-on CUDA with ``max_memory_allocated``; on CPU as the growth of the process's peak RSS over
-a few steps, each mode in a fresh subprocess. Prints a table and writes JSON.
+on CUDA with ``max_memory_allocated``; on CPU as the growth of the process's peak RSS (VmHWM)
+over a few steps, each mode in a fresh subprocess. Prints a table and writes JSON.
 """
 
 from __future__ import annotations
@@ -162,17 +162,24 @@ def peak_memory(args: argparse.Namespace, model_name: str, mode: str) -> float |
         return None
 
 
-def memory_probe(args: argparse.Namespace) -> None:
-    import resource
+def _peak_rss_kib() -> int:
+    """This process's peak RSS (VmHWM). Not ru_maxrss: after fork+exec that still counts the
+    parent's size, so a probe started by a large parent would measure nothing."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
+
+def memory_probe(args: argparse.Namespace) -> None:
     model_name, mode = args.memory_probe.split(":")
     model, inputs = build(model_name, args.smoke, "cpu")
     m = Mode(mode, model, inputs, args.low, "cpu")
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    base = _peak_rss_kib()
     for _ in range(3):
         m.train_step()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print((peak - base) / 1024)
+    print((_peak_rss_kib() - base) / 1024)
 
 
 def compile_timing(args: argparse.Namespace) -> dict:
