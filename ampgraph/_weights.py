@@ -68,7 +68,8 @@ class WeightCache:
         if p.dtype == dtype:
             return p
         if torch.is_grad_enabled() and p.requires_grad:
-            return _CastInto.apply(p, self._train_buffer(p, dtype))
+            with self._lock:  # pick a free buffer and mark it in use (the view) atomically
+                return _CastInto.apply(p, self._train_buffer(p, dtype))
         key = (p._version, p.data_ptr(), p.device, tuple(p.shape))
         with self._lock:
             per = self._per_param(p)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -75,7 +76,8 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     low = torch.float32 if config.amp_level == "O0" else resolve_dtype(
         config.dtype, model_device(model))
     if isinstance(model, AmpModule):
-        if model.amp_config == config and model.amp_dtype == low:
+        same = dataclasses.replace(config, dtype=model.amp_config.dtype) == model.amp_config
+        if same and model.amp_dtype == low:  # "bf16", "bfloat16", torch.bfloat16, "auto" alike
             return model
         raise ValueError(
             f"this module was already compiled at {model.amp_config.amp_level} "

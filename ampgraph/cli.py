@@ -192,6 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return report_main(argv[1:])
     args = build_parser().parse_args(argv)
     debug = bool(getattr(args, "debug", False))
+    saved_format = warnings.formatwarning  # catch_warnings does not restore this one
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", (DeprecationWarning, FutureWarning))
         if not debug:
@@ -212,6 +213,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"ampgraph {args.command}: error: {one_line(exc)} (rerun with --debug for "
                   "the traceback)", file=sys.stderr)
             return 1
+        finally:
+            warnings.formatwarning = saved_format
 
 
 # ------------------------------------------------------------------------------ commands

@@ -81,6 +81,8 @@ def convert_onnx(
         >>> fp16 = convert_onnx("model.onnx", "O2", op_block_list=["Softmax"],
         ...                     output_path="model_fp16.onnx")
     """
+    if isinstance(amp_level, str):
+        amp_level = amp_level.upper()  # "o2" like ampgraph.compile and the CLI
     if amp_level not in LEVELS:
         raise ValueError(f"unknown amp_level {amp_level!r}: choose one of {', '.join(LEVELS)}")
     if dtype not in ("fp16", "bf16", "float16", "bfloat16"):
@@ -96,6 +98,7 @@ def convert_onnx(
         if output_path is not None:
             proto = pio.save_model(proto, Path(output_path), external)
         return proto
+    _check_opset(proto, amp_level, dtype)
     kw = dict(keep_io_types=keep_io_types, op_block_list=tuple(op_block_list or ()),
               node_block_list=tuple(node_block_list or ()), keep_norm_fp32=keep_norm_fp32)
     owned = not isinstance(model, ModelProto) and auto_tolerance is None  # loaded here
@@ -105,6 +108,9 @@ def convert_onnx(
             raise ValueError("auto_tolerance needs auto_inputs= (validation inputs)")
         result = _auto(proto, result, amp_level, dtype, kw, auto_tolerance, auto_inputs,
                        auto_device)
+    if amp_level != "O0" and not any(getattr(d, "cls", "") for d in result.assignment.values()):
+        warnings.warn("convert_onnx: the model has no float tensors to convert; it is returned "
+                      "unchanged", UserWarning, stacklevel=2)
     out = result.model
     out.ir_version = min(out.ir_version, max_ir_version())
     pio.stamp(out, {"ampgraph.amp_level": amp_level, "ampgraph.dtype": dtype})
@@ -112,6 +118,19 @@ def convert_onnx(
         large = external or pio.data_bytes(out) > pio.EXTERNAL_DATA_BYTES
         out = pio.save_model(out, Path(output_path), large)
     return out
+
+
+def _check_opset(proto: ModelProto, amp_level: str, dtype: str) -> None:
+    """Refuse opsets the pass cannot write casts for, naming the upgrade."""
+    opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 0)
+    fix = ("upgrade it first: onnx.version_converter.convert_version(model, 17); "
+           "nothing was written")
+    if amp_level != "O0" and opset < 6:
+        raise ValueError(f"the model's opset {opset} is too old for mixed precision (Cast "
+                         f"takes a string type before opset 6); {fix}")
+    if amp_level != "O0" and dtype in ("bf16", "bfloat16") and opset < 13:
+        raise ValueError(f"bf16 needs opset >= 13 (the model's opset {opset} has no bfloat16 "
+                         f"kernels for MatMul/Conv); {fix}")
 
 
 def export_onnx(

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from onnx import NodeProto, helper
+from onnx import NodeProto, TensorProto, helper
 
 from passes.onnx.graph import ModelIndex, Scope
 from passes.onnx.initializers import const_tensor, const_variant, convert_tensor, set_const
@@ -34,6 +34,13 @@ IN, OUT = "in", "out"
 
 
 INSERTED = "ampgraph: inserted cast"  # doc_string of the casts this pass adds
+
+
+def _widens(low: int, high: int) -> bool:
+    """``low -> high`` is exact (fp16/bf16 -> fp32 or fp64; fp32 -> fp64)."""
+    rank = {TensorProto.FLOAT16: 1, TensorProto.BFLOAT16: 1, TensorProto.FLOAT: 2,
+            TensorProto.DOUBLE: 3}
+    return low in rank and high in rank and rank[high] > rank[low]
 
 
 @dataclass
@@ -175,6 +182,11 @@ class Rewriter:
         if key in self.cache:
             return self.cache[key]
         v = self.index.values[name]
+        prev = v.producer
+        if (prev is not None and prev.node.op_type == "Cast" and prev.role == "control"
+                and self.dtype.get(prev.node.input[0]) == dtype
+                and _widens(dtype, self.dtype.get(name, v.dtype))):
+            return prev.node.input[0]  # low -> fp32 (a user Cast) -> low is the low value
         new = self.index.fresh(f"{name}_{DTYPE_TAG.get(dtype, dtype)}")
         role = v.producer.role if v.producer is not None else v.origin
         if role in ("init", "const"):

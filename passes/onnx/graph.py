@@ -148,7 +148,14 @@ class ModelIndex:
                     self._add_value(out, dtype, scope, "node", producer=rec)
                     types.setdefault(out, dtype)
             rec.role = _role(node, types, (node.domain, node.op_type) in local)
+            if rec.role == "alias" and self._after_user_rounding(node):
+                rec.role = "control"  # a chain of user Casts after a rounding one: as written
             self.nodes.append(rec)
+
+    def _after_user_rounding(self, node: NodeProto) -> bool:
+        value = self.values.get(node.input[0])
+        prev = value.producer if value is not None else None
+        return prev is not None and prev.role == "control" and prev.node.op_type == "Cast"
 
     def _add_value(self, name: str, dtype: int, scope: Scope, origin: str, **kw) -> None:
         if name in self.values and origin != "init":

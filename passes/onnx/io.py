@@ -57,8 +57,8 @@ def load_model(model: ModelLike) -> tuple[ModelProto, bool]:
             if external:
                 onnx.load_external_data_for_model(proto, str(path.parent))
         except Exception as exc:
-            raise OnnxModelError(f"{path} is not a readable ONNX model ({exc}); nothing was "
-                                 "written") from exc
+            raise OnnxModelError(f"{path} is not a readable ONNX model ({exc}); re-export it "
+                                 "or check the download; nothing was written") from exc
     else:
         raise TypeError(f"model must be an onnx.ModelProto, bytes or a path, not "
                         f"{type(model).__name__}")

@@ -65,7 +65,8 @@ def verify_model(
                                 f"{_dt(to)} (first: {casts[key]!r}); casts must be shared")
             casts[key] = node.name
             prev = producers.get(src)
-            if (to in FLOAT_TYPES and types.get(src) in FLOAT_TYPES and prev is not None
+            if (node.doc_string == INSERTED and to in FLOAT_TYPES
+                    and types.get(src) in FLOAT_TYPES and prev is not None
                     and prev.op_type == "Cast" and types.get(prev.input[0]) in FLOAT_TYPES
                     and types.get(prev.input[0]) == to
                     and not _rounds(types.get(prev.input[0], 0), types.get(src, 0))):

@@ -100,8 +100,8 @@ def test_verify_rejects_round_trips_and_duplicate_casts():
     from passes.onnx.casts import INSERTED
 
     chain = make([
-        helper.make_node("Cast", ["x"], ["a"], name="c1", to=F32),
-        helper.make_node("Cast", ["a"], ["y"], name="c2", to=F16),
+        helper.make_node("Cast", ["x"], ["a"], name="c1", to=F32, doc_string=INSERTED),
+        helper.make_node("Cast", ["a"], ["y"], name="c2", to=F16, doc_string=INSERTED),
     ], [vi("x", F16, [2])], [vi("y", F16, [2])])
     with pytest.raises(PassError, match="round trip"):  # fp16 -> fp32 -> fp16: a waste
         verify_model(chain)
