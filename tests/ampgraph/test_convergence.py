@@ -20,18 +20,13 @@ from ampgraph.loss_scale import DynamicLossScaleManager
 from ampgraph.train_step import build_train_step
 from tests.helpers import load_model_file
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 datasets = pytest.importorskip("sklearn.datasets")
 model_selection = pytest.importorskip("sklearn.model_selection")
 
 EPOCHS = 15
 BATCH = 32
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: one intra-op thread is faster and immune to a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 RUNS = {  # name: (amp_level, dtype)

@@ -20,16 +20,12 @@ from ampgraph._monitor_stats import Plan, limits, merge, tensor_stats
 from ampgraph.loss_scale import FixedLossScaleManager
 from ampgraph.monitor import NumericsMonitor, NumericsWarning, report_main
 
-pytestmark = pytest.mark.filterwarnings("ignore:fp16 on a CPU:RuntimeWarning")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:fp16 on a CPU:RuntimeWarning"),
+    pytest.mark.usefixtures("one_thread"),
+]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: one intra-op thread is faster and immune to a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 class TwoBranch(nn.Module):

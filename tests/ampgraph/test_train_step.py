@@ -16,17 +16,13 @@ import ampgraph._step_codegen as codegen
 from ampgraph.loss_scale import DynamicLossScaleManager, FixedLossScaleManager
 from ampgraph.train_step import build_train_step
 
-pytestmark = pytest.mark.filterwarnings("ignore:fp16 on a CPU:RuntimeWarning")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:fp16 on a CPU:RuntimeWarning"),
+    pytest.mark.usefixtures("one_thread"),
+]
 INF, NAN = float("inf"), float("nan")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: one intra-op thread is faster and immune to a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def mlp(seed: int = 0, hidden: int = 32) -> nn.Module:

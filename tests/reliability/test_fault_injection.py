@@ -21,19 +21,16 @@ from torch import nn
 
 from ampgraph import DynamicLossScaleManager, FixedLossScaleManager, build_train_step
 
-pytestmark = pytest.mark.filterwarnings("ignore:fp16 on a CPU:RuntimeWarning")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:fp16 on a CPU:RuntimeWarning"),
+    pytest.mark.usefixtures("one_thread"),
+]
 STEPS = 1000
 FAULT_RATE = 0.05
 KINDS = ("input", "loss", "grad")
 VALUES = (float("nan"), float("inf"), -float("inf"))
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def task(seed: int = 0) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:

@@ -27,8 +27,11 @@ from passes.policy import make_policy
 from tests.reliability.fx_checks import KnownBug, check_fx_program, check_fx_training
 from tests.reliability.strategies import DTYPES, LEVELS, fx_programs
 
-pytestmark = [pytest.mark.filterwarnings("ignore:fp16 on a CPU:RuntimeWarning"),
-              pytest.mark.filterwarnings("ignore:ampgraph.*it is clamped to")]  # mask fills
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.filterwarnings("ignore:fp16 on a CPU:RuntimeWarning"),
+    pytest.mark.filterwarnings("ignore:ampgraph.*it is clamped to"),  # mask fills
+]
 
 
 def examples(default: int) -> int:
@@ -40,13 +43,6 @@ FUZZ = dict(deadline=None, derandomize=True, database=None,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: one intra-op thread is faster and immune to a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 CASES = [(level, dtype) for dtype in DTYPES for level in LEVELS]
