@@ -257,14 +257,21 @@ def fx_stats(graphs: Iterable[tuple[str, Compiled]]) -> dict[str, Any]:
                 act += out_bytes(node)
                 act_fp32 += out_bytes(node, original=True)
     fp32 = sum(params.values())
+    return summary_numbers(flops, low_flops, fp32, copies, fp32, act, act_fp32, peak, peak_fp32)
+
+
+def summary_numbers(flops: int, low_flops: int, param_fp32: int, param_low: int,
+                    param_baseline: int, act: int, act_fp32: int, peak: int,
+                    peak_fp32: int) -> dict[str, Any]:
+    """The ``inspect`` summary's numbers, shared by the PyTorch and ONNX targets."""
     return {
         "matmul_conv_flops": flops,
         "matmul_conv_flops_low": low_flops,
         "low_flops_share": round(low_flops / flops, 4) if flops else 0.0,
-        "param_bytes_fp32": fp32,
-        "param_bytes_low": copies,
-        "param_bytes_runtime": fp32 + copies,
-        "param_bytes_baseline": fp32,
+        "param_bytes_fp32": param_fp32,
+        "param_bytes_low": param_low,
+        "param_bytes_runtime": param_fp32 + param_low,
+        "param_bytes_baseline": param_baseline,
         "activation_bytes": act,
         "activation_bytes_fp32": act_fp32,
         "activation_saving": round(1 - act / act_fp32, 4) if act_fp32 else 0.0,

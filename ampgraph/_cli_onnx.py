@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 from onnx import ModelProto, TensorProto
 
-from ampgraph._analysis import GraphView, ViewNode
+from ampgraph._analysis import GraphView, ViewNode, summary_numbers
 from ampgraph._cli_target import CliError, one_line
 from passes.onnx import convert_model
 from passes.onnx import io as pio
@@ -195,21 +195,8 @@ def onnx_stats(original: ModelProto, result: Any, fixed: dict[str, tuple]) -> di
     for g in all_graphs(original.graph):
         baseline += sum(math.prod(t.dims) * 4 for t in g.initializer
                         if t.data_type == TensorProto.FLOAT)
-    return {
-        "matmul_conv_flops": flops,
-        "matmul_conv_flops_low": low_flops,
-        "low_flops_share": round(low_flops / flops, 4) if flops else 0.0,
-        "param_bytes_fp32": fp32,
-        "param_bytes_low": low,
-        "param_bytes_runtime": fp32 + low,
-        "param_bytes_baseline": baseline,
-        "activation_bytes": act,
-        "activation_bytes_fp32": act_fp32,
-        "activation_saving": round(1 - act / act_fp32, 4) if act_fp32 else 0.0,
-        "activation_peak_bytes": peak,
-        "activation_peak_bytes_fp32": peak_fp32,
-        "activation_peak_saving": round(1 - peak / peak_fp32, 4) if peak_fp32 else 0.0,
-    }
+    return summary_numbers(flops, low_flops, fp32, low, baseline, act, act_fp32, peak,
+                           peak_fp32)
 
 
 def _module(node: onnx.NodeProto | None) -> str:

@@ -69,6 +69,14 @@ def _add_inputs(p: argparse.ArgumentParser) -> None:
                         "and attention masks)")
 
 
+def _add_onnx_output(p: argparse.ArgumentParser, level: dict) -> None:
+    """Options shared by the commands that write an ONNX file."""
+    p.add_argument("--level", **level)
+    p.add_argument("--dtype", default="fp16", choices=("fp16", "bf16"), help="default fp16")
+    p.add_argument("--keep-io-types", action=argparse.BooleanOptionalAction, default=True,
+                   help="keep the graph inputs/outputs in their dtypes (default: keep)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``ampgraph`` command.
 
@@ -113,10 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "ONNX model to mixed precision at a level.")
     p.add_argument("input", metavar="IN.onnx")
     p.add_argument("output", metavar="OUT.onnx")
-    p.add_argument("--level", **level)
-    p.add_argument("--dtype", default="fp16", choices=("fp16", "bf16"), help="default fp16")
-    p.add_argument("--keep-io-types", action=argparse.BooleanOptionalAction, default=True,
-                   help="keep the graph inputs/outputs in their dtypes (default: keep)")
+    _add_onnx_output(p, level)
     p.add_argument("--block-op", action="append", default=[], metavar="OP",
                    help="ONNX op type kept in fp32, e.g. Softmax (repeatable)")
     p.add_argument("--block-node", action="append", default=[], metavar="NAME",
@@ -137,10 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "fp32 model followed by the ONNX pass.")
     p.add_argument("target", metavar="TARGET")
     p.add_argument("output", metavar="OUT.onnx")
-    p.add_argument("--level", **level)
-    p.add_argument("--dtype", default="fp16", choices=("fp16", "bf16"), help="default fp16")
-    p.add_argument("--keep-io-types", action=argparse.BooleanOptionalAction, default=True,
-                   help="keep the graph inputs/outputs in their dtypes (default: keep)")
+    _add_onnx_output(p, level)
     p.add_argument("--opset", type=int, default=None, help="ONNX opset (default: exporter's)")
     _add_inputs(p)
     p.set_defaults(func=cmd_export)

@@ -98,3 +98,16 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def call(model, inputs):
     return model(*inputs) if isinstance(inputs, tuple) else model(inputs)
+
+
+class SyncCounter(TorchDispatchMode):
+    """Counts host syncs: aten._local_scalar_dense (.item(), bool(tensor), float(tensor))."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.syncs = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.syncs += 1
+        return func(*args, **(kwargs or {}))

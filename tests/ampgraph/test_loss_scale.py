@@ -6,24 +6,13 @@ import random
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ampgraph.loss_scale import DynamicLossScaleManager, FixedLossScaleManager
+from tests.helpers import SyncCounter
 
 FP32_MAX = torch.finfo(torch.float32).max
 
 
-class SyncCounter(TorchDispatchMode):
-    """Counts aten._local_scalar_dense (what .item() / bool(tensor) dispatch to)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.syncs = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.syncs += 1
-        return func(*args, **(kwargs or {}))
 
 
 def test_mindspore_defaults():

@@ -9,12 +9,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import ampgraph
 import ampgraph._step_codegen as codegen
 from ampgraph.loss_scale import DynamicLossScaleManager, FixedLossScaleManager
 from ampgraph.train_step import build_train_step
+from tests.helpers import SyncCounter
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:fp16 on a CPU:RuntimeWarning"),
@@ -170,17 +170,6 @@ def test_loss_scaling_rescues_underflow():
         torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-3 * ref.abs().max().item())
 
 
-class SyncCounter(TorchDispatchMode):
-    """Counts aten._local_scalar_dense: .item(), bool(tensor), float(tensor)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.syncs = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.syncs += 1
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize(
