@@ -8,7 +8,10 @@ The graph's parameter casts call :meth:`WeightCache.cast` instead of ``aten._to_
 - with gradients (training) the cast writes into a persistent buffer per weight instead of
   a fresh allocation, which on CPU costs page faults every step; a buffer still referenced
   by a live autograd graph (two forwards before one backward) is never overwritten, a new
-  one is made. The cast's backward hands fp32 gradients to the master.
+  one is made. The cast's backward hands fp32 gradients to the master, likewise converted
+  into a persistent buffer: autograd adopts it as ``param.grad`` (no copy), and it is
+  written again only once nothing but the cache holds it (after ``zero_grad()``), so a
+  gradient the user kept is never overwritten.
 
 Weights changed through ``.data`` bypass version counters: call
 ``AmpModule.clear_weight_cache()`` after such an update.
@@ -28,17 +31,26 @@ def _storage_refs(t: torch.Tensor) -> int:
 
 
 class _CastInto(torch.autograd.Function):
-    """``buffer <- param`` as a differentiable cast; backward returns fp32 gradients."""
+    """``buffer <- param`` as a differentiable cast; backward converts the gradient into a
+    free persistent buffer of the param's dtype."""
 
     @staticmethod
-    def forward(ctx: Any, param: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
-        ctx.src_dtype = param.dtype
+    def forward(ctx: Any, param: torch.Tensor, buffer: torch.Tensor, cache: WeightCache
+                ) -> torch.Tensor:
+        ctx.param_ref = weakref.ref(param)
+        ctx.cache = cache
         buffer.copy_(param)
         return buffer.view_as(buffer)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad.to(ctx.src_dtype), None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
+        param = ctx.param_ref()
+        if param is None or grad.shape != param.shape or grad.layout != torch.strided:
+            return grad.to(torch.float32 if param is None else param.dtype), None, None
+        with ctx.cache._lock:  # pick a free buffer and mark it in use (the view) atomically
+            out = ctx.cache.grad_buffer(param).view_as(param)
+        # a fresh view: autograd may adopt it as param.grad without copying
+        return out.copy_(grad), None, None
 
 
 class WeightCache:
@@ -69,7 +81,7 @@ class WeightCache:
             return p
         if torch.is_grad_enabled() and p.requires_grad:
             with self._lock:  # pick a free buffer and mark it in use (the view) atomically
-                return _CastInto.apply(p, self._train_buffer(p, dtype))
+                return _CastInto.apply(p, self._buffer(p, ("train", dtype), dtype), self)
         key = (p._version, p.data_ptr(), p.device, tuple(p.shape))
         with self._lock:
             per = self._per_param(p)
@@ -79,18 +91,24 @@ class WeightCache:
                     entry = per[("infer", dtype)] = (key, p.detach().to(dtype))
             return entry[1]
 
-    def _train_buffer(self, p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def grad_buffer(self, p: torch.Tensor) -> torch.Tensor:
+        """A persistent buffer for ``p``'s gradient that nothing outside the cache holds."""
+        return self._buffer(p, ("grad", p.dtype), p.dtype)
+
+    def _buffer(self, p: torch.Tensor, key: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """The buffer stored under ``key`` if no tensor outside the cache shares its storage,
+        else a new one (which replaces it: the old one lives on with its other holders)."""
         with self._lock:
             per = self._per_param(p)
-            entry = per.get(("train", dtype))
+            entry = per.get(key)
             if entry is not None:
                 buf, alone = entry
-                if buf.shape == p.shape and buf.device == p.device \
-                        and _storage_refs(buf) == alone:
+                if buf.shape == p.shape and buf.stride() == p.stride() \
+                        and buf.device == p.device and _storage_refs(buf) == alone:
                     return buf
-            with torch.inference_mode(False):
-                buf = torch.empty(p.shape, dtype=dtype, device=p.device)
-            per[("train", dtype)] = (buf, _storage_refs(buf))
+            with torch.inference_mode(False):  # the param's strides: channels-last stays so
+                buf = torch.empty_strided(p.shape, p.stride(), dtype=dtype, device=p.device)
+            per[key] = (buf, _storage_refs(buf))
             return buf
 
     def clear(self) -> None:
@@ -103,6 +121,6 @@ class WeightCache:
             total = 0
             for _, per in self._slots.values():
                 for key, entry in per.items():
-                    t = entry[1] if key[0] == "infer" else entry[0]
+                    t = entry[1] if key[0] == "infer" else entry[0]  # train/grad: (buf, n)
                     total += t.numel() * t.element_size()
             return total

@@ -198,7 +198,8 @@ def test_two_training_forwards_racing_for_the_weight_buffer(monkeypatch):
     who = threading.local()
     real = weights._CastInto.apply
 
-    def apply_after_both_picked(param: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+    def apply_after_both_picked(param: torch.Tensor, buffer: torch.Tensor, *rest
+                                ) -> torch.Tensor:
         if param is model[1].weight:
             try:
                 both_picked.wait(timeout=2)
@@ -206,7 +207,7 @@ def test_two_training_forwards_racing_for_the_weight_buffer(monkeypatch):
                 pass
             if who.i == 1:
                 forward_done[0].wait(timeout=10)
-        return real(param, buffer)
+        return real(param, buffer, *rest)
 
     def work(i: int) -> None:
         who.i = i
