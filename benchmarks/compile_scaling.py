@@ -5,11 +5,24 @@
 Graphs are traced with make_fx (fake tensors, aten ops, metadata as torch.export gives):
 blocks of linear -> gelu -> layer_norm -> residual add -> softmax-weighted mix, sharing a
 few weights. Reports the time of each pass and microseconds per graph node.
+
+The passes run as ``passes.fx.pipeline.run_amp_passes`` runs them (O2, bf16): prepare,
+build_dataflow, the range-hazard analysis, paint, annotate + insert_casts and fold_casts
+without regenerating the module's code, verify, count_casts. ``total_s``/``us_per_node``
+are those passes alone. The pipeline then regenerates ``gm.forward`` once
+(``gm.recompile()``, torch.fx code generation): timed separately as ``recompile``, and
+included in ``total_with_recompile_s``/``us_per_node_with_recompile``.
+
+Each size starts from a collected heap (``gc.collect()`` after tracing), the garbage
+collector stays on while timing: ``gc_full`` counts the full collections that fell inside
+the passes and ``gc_full_s`` their seconds (part of the pass times: at 50k nodes one full
+collection of the ~900k-object heap of fake tensors costs ~0.8 s).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -20,8 +33,9 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from passes.fx.casts import annotate, fold_casts, insert_casts  # noqa: E402
+from passes.fx.casts import annotate, count_casts, fold_casts, insert_casts  # noqa: E402
 from passes.fx.graph import build_dataflow, prepare  # noqa: E402
+from passes.fx.hazards import mark_range_hazards  # noqa: E402
 from passes.fx.verify import verify  # noqa: E402
 from passes.paint import paint  # noqa: E402
 from passes.policy import make_policy  # noqa: E402
@@ -44,7 +58,27 @@ def synthetic(nodes: int) -> torch.fx.GraphModule:
     return make_fx(f, tracing_mode="fake")(*args)
 
 
-def time_passes(gm: torch.fx.GraphModule, level: str = "O2") -> dict:
+class _FullCollections:
+    """Counts full (generation 2) collections and their seconds while active."""
+
+    def __init__(self) -> None:
+        self.count, self.seconds, self._t0, self.active = 0, 0.0, 0.0, True
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if info.get("generation") != 2 or not self.active:
+            return
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.count += 1
+            self.seconds += time.perf_counter() - self._t0
+
+
+def time_passes(gm: torch.fx.GraphModule, level: str = "O2",
+                low: torch.dtype = torch.bfloat16, watch: _FullCollections | None = None
+                ) -> dict:
+    """Seconds per pass (the pipeline's order), plus the final ``recompile``. ``watch``
+    counts full collections during the passes (it stops before the recompile)."""
     policy = make_policy(level)
     t = {}
     t0 = time.perf_counter()
@@ -54,34 +88,59 @@ def time_passes(gm: torch.fx.GraphModule, level: str = "O2") -> dict:
     graph = build_dataflow(gm)
     t["build_dataflow"] = time.perf_counter() - t0
     t0 = time.perf_counter()
+    if policy.level != "O0":
+        mark_range_hazards(graph, gm, low)
+    t["hazards"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
     decisions = paint(graph, policy)
     t["paint"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     annotate(gm, decisions)
-    insert_casts(gm, torch.bfloat16)
+    insert_casts(gm, low, recompile=False)
     t["insert_casts"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    fold_casts(gm)
-    verify(gm, torch.bfloat16)
+    fold_casts(gm, recompile=False)
+    verify(gm, low)
+    count_casts(gm)
     t["fold+verify"] = time.perf_counter() - t0
+    if watch is not None:
+        watch.active = False
+    t0 = time.perf_counter()
+    gm.recompile()
+    t["recompile"] = time.perf_counter() - t0
     return t
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--sizes", default="1000,10000,50000")
+    p.add_argument("--level", default="O2", choices=("O0", "O1", "O2", "O3"))
     p.add_argument("--json", default="bench_results/compile_scaling.json")
     args = p.parse_args(argv)
     rows = []
-    print(f"{'nodes':>8}{'total s':>10}{'us/node':>10}  per pass (s)")
+    print(f"{'nodes':>8}{'passes s':>10}{'us/node':>10}{'+recompile':>12}{'us/node':>10}"
+          "  per pass (s)")
     for size in (int(s) for s in args.sizes.split(",")):
         gm = synthetic(size)
         n = len(gm.graph.nodes)
-        t = time_passes(gm)
-        total = sum(t.values())
-        rows.append({"nodes": n, "total_s": total, "us_per_node": 1e6 * total / n, **t})
-        print(f"{n:>8}{total:>10.2f}{1e6 * total / n:>10.1f}  "
-              + " ".join(f"{k}={v:.2f}" for k, v in t.items()))
+        gc.collect()
+        full = _FullCollections()
+        gc.callbacks.append(full)
+        try:
+            t = time_passes(gm, args.level, watch=full)
+        finally:
+            gc.callbacks.remove(full)
+        total = sum(v for k, v in t.items() if k != "recompile")
+        with_recompile = total + t["recompile"]
+        rows.append({"nodes": n, "level": args.level, "total_s": total,
+                     "us_per_node": 1e6 * total / n,
+                     "total_with_recompile_s": with_recompile,
+                     "us_per_node_with_recompile": 1e6 * with_recompile / n, **t,
+                     "gc_full": full.count, "gc_full_s": full.seconds})
+        print(f"{n:>8}{total:>10.2f}{1e6 * total / n:>10.1f}{with_recompile:>12.2f}"
+              f"{1e6 * with_recompile / n:>10.1f}  "
+              + " ".join(f"{k}={v:.2f}" for k, v in t.items())
+              + f"  (full gc: {full.count}, {full.seconds:.2f} s)")
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(rows, f, indent=2)

@@ -84,35 +84,50 @@ def paint(graph: nx.DiGraph, policy: LevelPolicy) -> Assignment:
     out: Assignment = {}
     cls: dict[Hashable, str] = {}
     pending: dict[Hashable, str] = {}  # vertex -> "paint" | "follow"
+    decide = _Decisions()
+    # op key -> (info, base, decision when the level fixes it): one policy lookup per op
+    infos: dict[str, tuple[OpInfo, str, Decision | None]] = {}
+    modules: dict = {}  # (module, classes) -> module override: one match per module
+    has_module_rules = bool(policy.overrides.modules)
+    o0 = policy.level == "O0"
     for v, data in graph.nodes(data=True):
         kind = data.get("kind", COMPUTE)
         if kind == SOURCE:
-            out[v] = Decision(NA, data.get("reason", "source: cast on use"))
+            out[v] = decide(NA, data.get("reason", "source: cast on use"))
             continue
         if kind == NONFLOAT:
-            out[v] = Decision(NA, data.get("reason", "no floating-point data"))
+            out[v] = decide(NA, data.get("reason", "no floating-point data"))
             continue
-        info = policy.op_info(data.get("op", ""))
+        op = data.get("op", "")
+        cached = infos.get(op)
+        if cached is None:
+            info = policy.op_info(op)
+            if o0:
+                base, fixed = "", decide(FP32, "O0: everything fp32", info.cls)
+            else:
+                base = policy.base(info)
+                fixed = (decide(base, _fixed_reason(info, base, policy.level), info.cls)
+                         if base in (LOW, FP32) else None)
+            cached = infos[op] = (info, base, fixed)
+        info, base, fixed = cached
         cls[v] = info.cls
-        if policy.level == "O0":
-            out[v] = Decision(FP32, "O0: everything fp32", info.cls)
+        if o0:
+            out[v] = fixed
             continue
         if data.get("forced"):  # the dialect found a hazard (e.g. an fp16 range problem)
-            out[v] = Decision(data["forced"][0], data["forced"][1], info.cls)
+            out[v] = decide(data["forced"][0], data["forced"][1], info.cls)
             continue
-        forced = policy.overrides.module_precision(
-            data.get("module", ""), data.get("module_classes", ())
-        )
-        if forced is not None:
-            out[v] = Decision(forced[0], f"module override: {forced[1]}", info.cls)
-            continue
-        base = policy.base(info)
-        if base in (LOW, FP32):
-            out[v] = Decision(base, _fixed_reason(info, base, policy.level), info.cls)
+        if has_module_rules:
+            forced = _module_override(policy, data, modules)
+            if forced is not None:
+                out[v] = decide(forced[0], f"module override: {forced[1]}", info.cls)
+                continue
+        if fixed is not None:
+            out[v] = fixed
         else:
             pending[v] = base
-    compute = graph.subgraph(cls)
     if pending:
+        compute = _Adjacency(graph, cls)
         paint_only = {v for v, how in pending.items() if how == "paint"}
         follow_only = {v for v, how in pending.items() if how == "follow"}
         if paint_only:
@@ -120,6 +135,87 @@ def paint(graph: nx.DiGraph, policy: LevelPolicy) -> Assignment:
         if follow_only:
             _follow(compute, follow_only, out)
     return out
+
+
+class _Decisions:
+    """Shares one :class:`Decision` among the vertices with equal precision, reason and class
+    (Decisions are frozen values; most reasons repeat across a large graph)."""
+
+    def __init__(self) -> None:
+        self._seen: dict[tuple[str, str, str], Decision] = {}
+
+    def __call__(self, precision: str, reason: str, cls: str = "") -> Decision:
+        key = (precision, reason, cls)
+        d = self._seen.get(key)
+        if d is None:
+            d = self._seen[key] = Decision(precision, reason, cls)
+        return d
+
+
+def _module_override(policy: LevelPolicy, data: dict, cache: dict) -> tuple[str, str] | None:
+    module, classes = data.get("module", ""), data.get("module_classes", ())
+    try:
+        key = (module, tuple(classes))
+        hit = cache.get(key, cache)
+    except TypeError:  # unhashable class entries: no caching
+        return policy.overrides.module_precision(module, classes)
+    if hit is cache:
+        hit = cache[key] = policy.overrides.module_precision(module, classes)
+    return hit
+
+
+class _Adjacency:
+    """The subgraph of ``graph`` induced by ``keep`` (what ``graph.subgraph(keep)`` shows).
+
+    Neighbours come in ``graph``'s order, read from its adjacency dicts on demand: networkx's
+    filtered subgraph views cost several times more per step on large graphs.
+    """
+
+    def __init__(self, graph: nx.DiGraph, keep: dict | set):
+        self.graph = graph
+        self.keep = keep
+        self._succ = graph._succ  # adjacency dicts: node -> {neighbour: edge data}
+        self._pred = graph._pred
+
+    def __contains__(self, v: Hashable) -> bool:
+        return v in self.keep
+
+    def successors(self, v: Hashable) -> list:
+        keep = self.keep
+        return [w for w in self._succ[v] if w in keep]
+
+    def predecessors(self, v: Hashable) -> list:
+        keep = self.keep
+        return [u for u in self._pred[v] if u in keep]
+
+    def topological_order(self, among: set) -> list:
+        """The vertices of ``among`` (all kept) in an order where each comes after its
+        predecessors in ``among`` (Kahn's algorithm over the edges between them, starting
+        in graph order); raises like ``nx.topological_sort`` if they form a cycle."""
+        succ, pred = self._succ, self._pred
+        nodes = [v for v in self.graph if v in among]
+        seen: set = set()
+        for v in nodes:  # graph order, when it already puts producers first (the usual case)
+            for u in pred[v]:
+                if u in among and u not in seen:
+                    break
+            else:
+                seen.add(v)
+                continue
+            break
+        else:
+            return nodes
+        indegree = {v: sum(1 for u in pred[v] if u in among) for v in nodes}
+        order = [v for v in nodes if not indegree[v]]
+        for v in order:  # grows while iterating
+            for w in succ[v]:
+                if w in among:
+                    indegree[w] -= 1
+                    if not indegree[w]:
+                        order.append(w)
+        if len(order) != len(nodes):
+            raise nx.NetworkXUnfeasible("Graph contains a cycle or graph changed during iteration")
+        return order
 
 
 def _fixed_reason(info: OpInfo, precision: str, level: str) -> str:
@@ -134,7 +230,7 @@ def _fixed_reason(info: OpInfo, precision: str, level: str) -> str:
     return f"{level}: whole network low precision ({info.cls} op: {info.reason})"
 
 
-def _reach(graph: nx.DiGraph, starts: Iterable[Hashable], through: set, forward: bool) -> set:
+def _reach(graph: _Adjacency, starts: Iterable[Hashable], through: set, forward: bool) -> set:
     """Vertices in ``through`` reachable from ``starts`` by paths inside ``through``."""
     seen: set = set()
     stack = list(starts)
@@ -148,7 +244,8 @@ def _reach(graph: nx.DiGraph, starts: Iterable[Hashable], through: set, forward:
     return seen
 
 
-def _paint_o1(graph: nx.DiGraph, cls: dict, todo: set, out: Assignment) -> None:
+def _paint_o1(graph: _Adjacency, cls: dict, todo: set, out: Assignment) -> None:
+    decide = _Decisions()
     low = {v for v, d in out.items() if d.precision == LOW and v in graph}
     fp32 = {v for v, d in out.items() if d.precision == FP32 and v in graph}
     # 2. deny propagation.
@@ -160,12 +257,12 @@ def _paint_o1(graph: nx.DiGraph, cls: dict, todo: set, out: Assignment) -> None:
     denied = downstream_of_deny & leads_to_infer
     for v in denied:
         src = next((u for u in graph.predecessors(v) if u in fp32 or u in denied), None)
-        out[v] = Decision(FP32, f"O1 deny propagation: downstream of fp32 op {src}", cls[v])
+        out[v] = decide(FP32, f"O1 deny propagation: downstream of fp32 op {src}", cls[v])
     free = todo - denied
     # 3. fill between low ops.
     between = _reach(graph, low, free, forward=True) & _reach(graph, low, free, forward=False)
     for v in between:
-        out[v] = Decision(LOW, "O1 fill: between low-precision ops, avoids a cast pair", cls[v])
+        out[v] = decide(LOW, "O1 fill: between low-precision ops, avoids a cast pair", cls[v])
     free -= between
     low |= between
     # 4. spread clear ops both ways, infer ops forward, until nothing changes.
@@ -173,43 +270,50 @@ def _paint_o1(graph: nx.DiGraph, cls: dict, todo: set, out: Assignment) -> None:
     while changed:
         changed = False
         for v in list(free):
-            preds = [u for u in graph.predecessors(v)]
+            preds = graph.predecessors(v)
             if cls[v] == CLEAR:
                 near = next((u for u in (*preds, *graph.successors(v)) if u in low), None)
                 if near is not None:
-                    out[v] = Decision(LOW, f"O1 clear op: follows low-precision neighbour {near}",
-                                      CLEAR)
+                    out[v] = decide(LOW, f"O1 clear op: follows low-precision neighbour {near}",
+                                    CLEAR)
             elif preds and all(u in low for u in preds):
-                out[v] = Decision(LOW, "O1 infer op: all float inputs are low precision", INFER)
+                out[v] = decide(LOW, "O1 infer op: all float inputs are low precision", INFER)
             if v in out and out[v].precision == LOW:
                 low.add(v)
                 free.discard(v)
                 changed = True
     for v in free:
         why = "inputs are fp32" if cls[v] == INFER else "no low-precision neighbour"
-        out[v] = Decision(FP32, f"O1 {cls[v]} op: {why}", cls[v])
+        out[v] = decide(FP32, f"O1 {cls[v]} op: {why}", cls[v])
 
 
-def _follow(graph: nx.DiGraph, todo: set, out: Assignment) -> None:
+def _follow(graph: _Adjacency, todo: set, out: Assignment) -> None:
     """O2 CLEAR ops: fp32 when every decided producer is fp32, else low; a CLEAR op fed only
-    by sources (directly or through other such CLEAR ops) follows its consumers instead."""
-    order = [v for v in nx.topological_sort(graph) if v in todo]
+    by sources (directly or through other such CLEAR ops) follows its consumers instead.
+
+    Any order of ``todo`` that puts producers first gives the same result: a vertex reads
+    only its producers' decisions (made before it: any other compute vertex is decided
+    already) and, for source-fed chains, its consumers' (made after it). So only the edges
+    between ``todo`` vertices are sorted, not the whole compute subgraph.
+    """
+    decide = _Decisions()
+    order = graph.topological_order(todo)
     source_fed = []
     for v in order:
         preds = [u for u in graph.predecessors(v) if u in out]  # chain members decide later
         if not preds:
             source_fed.append(v)
         elif all(out[u].precision == FP32 for u in preds):
-            out[v] = Decision(FP32, f"clear op after fp32 op {preds[0]}: the cast moves to its "
-                                    "low-precision consumer", CLEAR)
+            out[v] = decide(FP32, f"clear op after fp32 op {preds[0]}: the cast moves to its "
+                                  "low-precision consumer", CLEAR)
         else:
-            out[v] = Decision(LOW, "clear op fed low precision: follows its inputs", CLEAR)
+            out[v] = decide(LOW, "clear op fed low precision: follows its inputs", CLEAR)
     for v in reversed(source_fed):
         succs = [w for w in graph.successors(v) if w in out]
         if succs and all(out[w].precision == FP32 for w in succs):
-            out[v] = Decision(FP32, "clear op feeding only fp32 ops: stays fp32", CLEAR)
+            out[v] = decide(FP32, "clear op feeding only fp32 ops: stays fp32", CLEAR)
         else:
-            out[v] = Decision(LOW, "clear op on an input or weight: follows its consumers", CLEAR)
+            out[v] = decide(LOW, "clear op on an input or weight: follows its consumers", CLEAR)
 
 
 __all__ = ["Assignment", "Decision", "paint", "COMPUTE", "SOURCE", "NONFLOAT", "ALLOW", "DENY"]

@@ -171,15 +171,25 @@ class OpTable:
                 if op in self._info:
                     raise ValueError(f"op {op!r} is listed in two policy groups")
                 self._info[op] = OpInfo(g.cls, g.name, g.reason)
+        # key -> lookup result; the table never changes after construction
+        self._looked_up: dict[str, OpInfo | None] = {}
 
     def __contains__(self, key: str) -> bool:
         return self.lookup(key) is not None
 
     def lookup(self, key: str) -> OpInfo | None:
+        try:
+            return self._looked_up[key]
+        except KeyError:
+            pass
+        found = None
         for candidate in _key_candidates(key):
             if candidate in self._info:
-                return self._info[candidate]
-        return None
+                found = self._info[candidate]
+                break
+        if len(self._looked_up) < 65536:  # op keys: bounded in practice; a cap all the same
+            self._looked_up[key] = found
+        return found
 
     def info(self, key: str) -> OpInfo:
         return self.lookup(key) or DEFAULT_INFO

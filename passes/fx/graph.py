@@ -18,10 +18,37 @@ CAST_OPS = ("aten.to", "aten._to_copy", "aten.type_as")
 _CHECKS = ("aten._assert_tensor_metadata", "aten._assert_scalar", "aten.sym_constrain_range")
 
 
+_OPS = (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
+# id(op) -> (op, policy key, is a cast op), for torch ops only: they live as long as the
+# process (torch.ops interns them), so holding one costs nothing and keeps its id unique.
+# Other targets (a runtime's bound method holding weights ...) are never held.
+_OP_KEYS: dict[int, tuple[Any, str, bool]] = {}
+
+
 def op_key(node: fx.Node) -> str:
     """Policy key of an FX node: ``aten.softmax.int``, ``getitem``, or the function name."""
     t = node.target
-    if isinstance(t, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+    if type(t) is str:  # placeholder, get_attr, call_module, call_method, output
+        return t
+    hit = _OP_KEYS.get(id(t))
+    if hit is not None and hit[0] is t:
+        return hit[1]
+    return _target_info(t)[1]
+
+
+def _target_info(t: Any) -> tuple[Any, str, bool]:
+    """(target, policy key, whether the key names a cast op); cached for torch ops."""
+    hit = _OP_KEYS.get(id(t))
+    if hit is None or hit[0] is not t:
+        key = t if type(t) is str else _target_key(t)
+        hit = (t, key, key.startswith(CAST_OPS))
+        if isinstance(t, _OPS):
+            _OP_KEYS[id(t)] = hit
+    return hit
+
+
+def _target_key(t: Any) -> str:
+    if isinstance(t, _OPS):
         return t.name().replace("::", ".")
     if t is operator.getitem:
         return "getitem"
@@ -38,7 +65,20 @@ def tensors(value: Any) -> list[torch.Tensor]:
 
 
 def is_float(value: Any) -> bool:
-    return any(t.dtype in FLOATS for t in tensors(value))
+    """Whether a meta value holds a fp32/fp16/bf16 tensor."""
+    if isinstance(value, torch.Tensor):
+        return value.dtype in FLOATS
+    if isinstance(value, (tuple, list)):
+        return any(is_float(v) for v in value)
+    return False
+
+
+def _has_fp64(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.dtype == torch.float64
+    if isinstance(value, (tuple, list)):
+        return any(_has_fp64(v) for v in value)
+    return False
 
 
 def node_inputs(node: fx.Node) -> list[fx.Node]:
@@ -47,10 +87,10 @@ def node_inputs(node: fx.Node) -> list[fx.Node]:
 
 def module_info(node: fx.Node) -> tuple[str, tuple[str, ...]]:
     """Innermost module path and the classes of all enclosing modules."""
-    stack = node.meta.get("nn_module_stack") or {}
-    entries = list(stack.values())
-    if not entries:
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
         return "", ()
+    entries = list(stack.values())
     path = entries[-1][0] if isinstance(entries[-1], tuple) else ""
     classes = tuple(str(e[1]) if isinstance(e[1], str) else
                     f"{e[1].__module__}.{e[1].__qualname__}" for e in entries)
@@ -59,7 +99,7 @@ def module_info(node: fx.Node) -> tuple[str, tuple[str, ...]]:
 
 def explicit_cast_dtype(node: fx.Node) -> torch.dtype | None:
     """The dtype a user-written ``.to(dtype)`` asks for, or None."""
-    if node.op != "call_function" or not op_key(node).startswith(CAST_OPS):
+    if node.op != "call_function" or not _target_info(node.target)[2]:
         return None
     for v in (*node.args[1:], *node.kwargs.values()):
         if isinstance(v, torch.dtype):
@@ -67,39 +107,133 @@ def explicit_cast_dtype(node: fx.Node) -> torch.dtype | None:
     return None
 
 
+def _is_cast_key(key: str) -> bool:
+    return key.startswith(CAST_OPS)
+
+
 def classify(node: fx.Node) -> tuple[str, str]:
     """(kind, reason) of a node for the painter."""
-    val = node.meta.get("val")
-    if node.op == "placeholder":
-        if is_float(val):
+    return _classify(node, lambda a: is_float(a.meta.get("val")))
+
+
+def _classify(node: fx.Node, floats: Any) -> tuple[str, str]:
+    """:func:`classify`, with ``floats(node)`` telling whether a node's value is float."""
+    op = node.op
+    if op == "placeholder":
+        if floats(node):
             return SOURCE, "graph input: cast on use"
         return NONFLOAT, "non-float input"
-    if node.op == "get_attr":
-        if is_float(val):
+    if op == "get_attr":
+        if floats(node):
             return SOURCE, "parameter/buffer: stays fp32 (master weight), cast once per forward"
         return NONFLOAT, "non-float buffer"
-    if node.op != "call_function":
+    if op != "call_function":
         return NONFLOAT, "not an op"
-    if node.meta.get("amp_inserted"):
-        return SOURCE, node.meta.get("amp_reason", "inserted by ampgraph")
-    if any(t.dtype == torch.float64 for t in tensors(val)):
+    meta = node.meta
+    if meta.get("amp_inserted"):
+        return SOURCE, meta.get("amp_reason", "inserted by ampgraph")
+    if _has_fp64(meta.get("val")):
         return NONFLOAT, "fp64 is never changed"
-    if not is_float(val):
+    if not floats(node):
         return NONFLOAT, "no floating-point output"
     dtype = explicit_cast_dtype(node)
     if dtype is not None:
         return SOURCE, f"explicit cast to {dtype} in the model: kept"
-    if not any(is_float(a.meta.get("val")) for a in node_inputs(node)):
-        return SOURCE, "creates a tensor: cast on use"
-    return COMPUTE, ""
+    for a in node.all_input_nodes:
+        if floats(a):
+            return COMPUTE, ""
+    return SOURCE, "creates a tensor: cast on use"
 
 
 def build_dataflow(gm: fx.GraphModule) -> nx.DiGraph:
     """The painter's view of ``gm``: one vertex per node, float edges between them.
 
+    The graph holds what ``add_node`` for every node in order, then ``add_edge`` for every
+    (consumer, float input) in order would give; its adjacency dicts are filled directly in
+    one walk over the nodes (no temporaries), which matters on graphs of 10^5 nodes.
+
     Example:
         >>> g = build_dataflow(torch.export.export(model, args).module())
     """
+    g = nx.DiGraph()
+    attrs, succ, pred = g._node, g._succ, g._pred
+    floats: dict[fx.Node, bool] = {}  # node -> float output, filled in graph order
+    modules: dict[int, tuple[Any, tuple[str, tuple[str, ...]]]] = {}  # id(stack) -> info
+    ordered = True  # every input met before its consumer (always, in a linted graph)
+    fp64 = torch.float64
+    for node in gm.graph.nodes:
+        op = node.op
+        if op == "output":
+            continue
+        meta = node.meta
+        val = meta.get("val")
+        if isinstance(val, torch.Tensor):
+            dtype = val.dtype
+            is_fl, has_fp64 = dtype in FLOATS, dtype == fp64
+        else:
+            is_fl, has_fp64 = is_float(val), _has_fp64(val)
+        floats[node] = is_fl
+        inputs = node.all_input_nodes
+        # classify(node), from the float checks above
+        if op == "placeholder":
+            kind, reason = ((SOURCE, "graph input: cast on use") if is_fl
+                            else (NONFLOAT, "non-float input"))
+        elif op == "get_attr":
+            kind, reason = (
+                (SOURCE, "parameter/buffer: stays fp32 (master weight), cast once per forward")
+                if is_fl else (NONFLOAT, "non-float buffer"))
+        elif op != "call_function":
+            kind, reason = NONFLOAT, "not an op"
+        elif meta.get("amp_inserted"):
+            kind, reason = SOURCE, meta.get("amp_reason", "inserted by ampgraph")
+        elif has_fp64:
+            kind, reason = NONFLOAT, "fp64 is never changed"
+        elif not is_fl:
+            kind, reason = NONFLOAT, "no floating-point output"
+        else:
+            cast = explicit_cast_dtype(node)
+            if cast is not None:
+                kind, reason = SOURCE, f"explicit cast to {cast} in the model: kept"
+            else:
+                kind, reason = SOURCE, "creates a tensor: cast on use"
+                for a in inputs:
+                    a_fl = floats.get(a)
+                    if a_fl is None:
+                        a_fl = is_float(a.meta.get("val"))
+                    if a_fl:
+                        kind, reason = COMPUTE, ""
+                        break
+        stack = meta.get("nn_module_stack")
+        if not stack:
+            path, classes = "", ()
+        else:
+            hit = modules.get(id(stack))
+            if hit is None or hit[0] is not stack:
+                hit = modules[id(stack)] = (stack, module_info(node))
+            path, classes = hit[1]
+        name = node.name
+        target = node.target
+        hit = _OP_KEYS.get(id(target))
+        key = hit[1] if hit is not None and hit[0] is target else op_key(node)
+        attrs[name] = {"kind": kind, "reason": reason, "op": key, "module": path,
+                       "module_classes": classes}
+        succ[name] = {}
+        into = pred[name] = {}
+        for a in inputs:
+            a_fl = floats.get(a)
+            if a_fl is None:  # not met yet: an input after its consumer
+                ordered = False
+            elif a_fl:
+                out = succ[a.name]
+                if name not in out:  # a repeated input: one edge
+                    out[name] = into[a.name] = {}
+    if not ordered:
+        return _build_dataflow_unordered(gm)
+    return g
+
+
+def _build_dataflow_unordered(gm: fx.GraphModule) -> nx.DiGraph:
+    """:func:`build_dataflow` for a graph whose nodes are not in dataflow order."""
     g = nx.DiGraph()
     for node in gm.graph.nodes:
         if node.op == "output":
@@ -126,7 +260,9 @@ def prepare(gm: fx.GraphModule) -> PassResult:
     """
     modified = False
     graph = gm.graph
-    for node in list(graph.nodes):
+    nodes = list(graph.nodes)
+    position = None  # node -> index, built at the first in-place op (order never changes)
+    for node in nodes:
         if node.op != "call_function":
             continue
         key = op_key(node)
@@ -137,8 +273,11 @@ def prepare(gm: fx.GraphModule) -> PassResult:
         functional = _functional_variant(node)
         if functional is None:
             continue
+        if position is None:
+            position = {n: i for i, n in enumerate(nodes)}
         target = node.args[0]
-        later = [u for u in target.users if u is not node and _after(u, node)]
+        here = position[node]
+        later = [u for u in target.users if u is not node and position.get(u, -1) > here]
         node.target = functional
         for u in later:
             u.replace_input_with(target, node)
@@ -147,15 +286,6 @@ def prepare(gm: fx.GraphModule) -> PassResult:
         graph.lint()
         gm.recompile()
     return PassResult(gm, modified)
-
-
-def _after(a: fx.Node, b: fx.Node) -> bool:
-    n = b.next
-    while n.op != "root":
-        if n is a:
-            return True
-        n = n.next
-    return False
 
 
 def _functional_variant(node: fx.Node) -> Any:

@@ -54,8 +54,17 @@ def _exp_bits(dtype: torch.dtype) -> int:
     return {torch.float16: 5, torch.bfloat16: 8}[dtype]
 
 
+_PACKETS: dict[str, str] = {}
+
+
 def _packet(node: fx.Node) -> str:
-    return ".".join(op_key(node).split(".")[:2])
+    key = op_key(node)
+    packet = _PACKETS.get(key)
+    if packet is None:
+        packet = ".".join(key.split(".")[:2])
+        if len(_PACKETS) < 4096:  # op keys: a small set
+            _PACKETS[key] = packet
+    return packet
 
 
 def _out_of_range(v: Any, big: float, tiny: float) -> bool:
@@ -65,20 +74,29 @@ def _out_of_range(v: Any, big: float, tiny: float) -> bool:
 
 
 def _scalars(node: fx.Node, big: float, tiny: float) -> list[float]:
-    if _packet(node) in FP32_ACCUMULATING:
-        return []
     out: list[float] = []
-
-    def walk(a: Any) -> None:
-        if isinstance(a, (list, tuple)):
-            for x in a:
-                walk(x)
-        elif _out_of_range(a, big, tiny):
-            out.append(a)
-
-    walk(node.args)
-    walk(tuple(node.kwargs.values()))
+    for a in node.args:
+        if not isinstance(a, fx.Node):  # the common case: an input, no constant
+            _walk(a, big, tiny, out)
+    for a in node.kwargs.values():
+        if not isinstance(a, fx.Node):
+            _walk(a, big, tiny, out)
+    if out and _packet(node) in FP32_ACCUMULATING:
+        return []
     return out
+
+
+def _walk(a: Any, big: float, tiny: float, out: list[float]) -> None:
+    """Append the out-of-range floats in ``a`` (nested lists/tuples) to ``out``.
+
+    A module-level function: a recursive closure is a reference cycle per call, garbage
+    only the cycle collector frees (one per node of a large graph).
+    """
+    if isinstance(a, (list, tuple)):
+        for x in a:
+            _walk(x, big, tiny, out)
+    elif isinstance(a, float) and _out_of_range(a, big, tiny):
+        out.append(a)
 
 
 def _tensor_constant(gm: fx.GraphModule, node: fx.Node, big: float, tiny: float) -> list[float]:
@@ -116,10 +134,13 @@ def mark_range_hazards(graph: nx.DiGraph, gm: fx.GraphModule, low: torch.dtype) 
             data["forced"] = (FP32, reason)
 
     for node in list(gm.graph.nodes):
-        if node.op == "call_function":
+        op = node.op
+        if op == "call_function":
             values = _scalars(node, big, tiny)
-        else:
+        elif op == "get_attr":
             values = _tensor_constant(gm, node, big, tiny)
+        else:
+            continue
         if not values or node.name not in graph:
             continue
         shown = ", ".join(f"{v:g}" for v in sorted(set(values))[:3])

@@ -6,25 +6,34 @@ import torch
 from torch import fx
 
 from passes._infra import PassError, PassResult
-from passes.fx.casts import KEEP, _slots, dtype_of, is_amp_cast, required_dtype
+from passes.fx.casts import KEEP, _Rules, _slots, dtype_of
 
 
 def verify(gm: fx.GraphModule, low: torch.dtype) -> PassResult:
     """Raise PassError naming the first node whose inputs disagree with its precision.
 
-    Also runs ``graph.lint()``. Returns ``PassResult(gm, False)``.
+    Also runs ``graph.lint()``. Returns ``PassResult(gm, False)``. Each input is checked
+    against ``required_dtype`` (the rule cast insertion follows), with its per-node half
+    worked out once per node.
 
     Example:
         >>> verify(gm, torch.bfloat16)
     """
     gm.graph.lint()
+    rules = _Rules(low)
     for node in gm.graph.nodes:
-        if node.op != "call_function" or is_amp_cast(node):
+        if node.op != "call_function" or node.meta.get("amp_cast"):
             continue
+        rule = rules.of(node)
+        if rule.keep_all:  # every input is KEEP
+            continue
+        want_of = rule.want
         for slot, arg in _slots(node):
-            want = required_dtype(node, slot, arg, low)
             have = dtype_of(arg)
-            if want is not KEEP and have is not None and have != want:
+            if have is None:
+                continue
+            want = want_of(slot, arg)
+            if want is not KEEP and have != want:
                 raise PassError(
                     "verify", node.name,
                     f"input {slot} ({arg.name}) is {have}, but the node runs in "
