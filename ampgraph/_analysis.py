@@ -12,7 +12,7 @@ Methods (also in docs/cli.md):
   "low" when the node runs in the low dtype.
 - parameter bytes at run time: the fp32 master weights (float parameters and buffers the
   graph reads) plus the low-precision copies the graph makes of them (casts of
-  ``get_attr`` nodes).
+  ``get_attr`` nodes, and the weights linears cast for themselves).
 - activation bytes: the sum of output bytes of every non-view node of one forward (the
   inserted activation casts included), compared with the same nodes at their captured
   dtypes (fp32 for an fp32 model) and without the casts: a proxy for what autograd saves
@@ -101,7 +101,8 @@ def _tensors(val: Any) -> list[torch.Tensor]:
 
 # ------------------------------------------------------------------------------ FLOPs
 
-MATMUL_OPS = ("aten.linear", "aten.mm", "aten.bmm", "aten.matmul", "aten.addmm", "aten.baddbmm")
+MATMUL_OPS = ("aten.linear", "amp_linear", "aten.mm", "aten.bmm", "aten.matmul", "aten.addmm",
+              "aten.baddbmm")
 CONV_OPS = ("aten.conv1d", "aten.conv2d", "aten.conv3d", "aten.convolution",
             "aten._convolution", "aten.conv_transpose1d", "aten.conv_transpose2d",
             "aten.conv_transpose3d")
@@ -249,6 +250,9 @@ def fx_stats(graphs: Iterable[tuple[str, Compiled]]) -> dict[str, Any]:
                 else:
                     act += out_bytes(node)
                 continue
+            fused = node.meta.get("amp_fused_weight_cast")  # a linear casting its weight
+            if fused is not None and isinstance(_val(node.args[1]), torch.Tensor):
+                copies += _val(node.args[1]).numel() * fused.itemsize
             f = node_flops(node)
             flops += f
             if node.meta.get("amp_precision") == "low":
@@ -314,6 +318,14 @@ def fx_view(graphs: list[tuple[str, Compiled]], low: torch.dtype) -> GraphView:
                 view.nodes.append(ViewNode(pid(node.name), node.name, op,
                                            row.get("precision", "n/a"), kind,
                                            row.get("module", prefix), row.get("reason", "")))
+                fused = node.meta.get("amp_fused_weight_cast")
+                if fused is not None:  # the weight cast runs inside the linear: drawn apart
+                    weight = ".".join(p for p in (prefix, str(node.args[1].target)) if p)
+                    cast_id = pid(f"{node.name}_weight_cast")
+                    view.nodes.append(ViewNode(cast_id, f"cast to {dtype_name(fused)}", "cast",
+                                               "cast", "cast", prefix,
+                                               f"{weight} (fused into {node.name})"))
+                    view.edges.append((cast_id, pid(node.name)))
             shown.add(node.name)
             view.edges += [(pid(a.name), pid(node.name)) for a in inputs]
     return view

@@ -13,6 +13,11 @@ The graph's parameter casts call :meth:`WeightCache.cast` instead of ``aten._to_
   written again only once nothing but the cache holds it (after ``zero_grad()``), so a
   gradient the user kept is never overwritten.
 
+Linear layers whose weight is cast for them alone call :meth:`WeightCache.amp_linear`: the
+cast, the linear and the conversion of its weight gradient in one autograd function, which
+writes the gradient block by block into the master's gradient buffer, so a training step
+allocates no weight-sized tensor (fresh large allocations cost page faults on CPU).
+
 Weights changed through ``.data`` bypass version counters: call
 ``AmpModule.clear_weight_cache()`` after such an update.
 """
@@ -53,6 +58,48 @@ class _CastInto(torch.autograd.Function):
         return out.copy_(grad), None, None
 
 
+class _Linear(torch.autograd.Function):
+    """``linear(x, low(w_master), b)`` with the weight cast and gradient conversion fused in.
+
+    Forward casts the fp32 master into its persistent working copy and runs ``aten.linear``.
+    Backward computes ``grad_out.T @ input`` in the low dtype, as aten's linear backward
+    does, but block of rows by block of rows into a small reused scratch that is converted
+    straight into the master's gradient buffer: a step allocates no weight-sized tensor
+    (fresh large allocations cost page faults on CPU) and the conversion reads from cache.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+                cache: WeightCache) -> torch.Tensor:
+        with cache._lock:  # pick a free buffer and mark it in use (the view) atomically
+            wl = cache._buffer(w, ("train", x.dtype), x.dtype).view_as(w)
+        wl.copy_(w)
+        ctx.save_for_backward(x, wl)
+        ctx.param_ref = weakref.ref(w)
+        ctx.cache = cache
+        ctx.has_bias = b is not None
+        return torch.ops.aten.linear.default(x, wl, b)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        x, wl = ctx.saved_tensors
+        need_x, need_w, need_b, _ = ctx.needs_input_grad
+        gx = gw = gb = None
+        if need_x:
+            gx = grad.matmul(wl)
+        grad2 = grad.reshape(-1, grad.shape[-1])
+        if need_w:
+            gw = ctx.cache.linear_weight_grad(ctx.param_ref(), grad2,
+                                              x.reshape(-1, x.shape[-1]))
+        if need_b and ctx.has_bias:
+            gb = grad2.sum(0)
+        return gx, gw, gb, None
+
+
+SCRATCH_NUMEL = 1 << 20  # elements of low-precision weight gradient computed per block
+MAX_SCRATCH = 4  # pooled scratches per shape (threads running backward at once)
+
+
 class WeightCache:
     """Working copies keyed by parameter identity; thread-safe; entries die with the param."""
 
@@ -60,6 +107,7 @@ class WeightCache:
         # id(param) -> (weakref to param, {key: entry}); tensors are not hashable by value.
         self._slots: dict[int, tuple[weakref.ref, dict]] = {}
         self._lock = threading.RLock()  # GC callbacks may fire while it is held
+        self._scratch: dict[tuple, list[tuple[torch.Tensor, int]]] = {}
 
     def _per_param(self, p: torch.Tensor) -> dict:
         ref, per = self._slots.get(id(p), (None, None))
@@ -91,6 +139,47 @@ class WeightCache:
                     entry = per[("infer", dtype)] = (key, p.detach().to(dtype))
             return entry[1]
 
+    def amp_linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+        """``aten.linear(x, w.to(x.dtype), b)`` for an fp32 master weight ``w`` (see
+        :class:`_Linear`); without gradients, the inference working copy is used."""
+        if torch.is_grad_enabled() and w.requires_grad:
+            return _Linear.apply(x, w, b, self)
+        return torch.ops.aten.linear.default(x, self.cast(w, x.dtype), b)
+
+    def linear_weight_grad(self, w: torch.Tensor | None, grad: torch.Tensor,
+                           x: torch.Tensor) -> torch.Tensor:
+        """``(grad.T @ x).to(w.dtype)`` into ``w``'s gradient buffer, in row blocks."""
+        rows = grad.shape[1]
+        if w is None or w.shape != (rows, x.shape[1]) or w.layout != torch.strided:
+            return grad.t().mm(x).to(torch.float32 if w is None else w.dtype)
+        with self._lock:  # pick free buffers and mark them in use (the views) atomically
+            out = self.grad_buffer(w).view_as(w)
+            step = max(1, min(rows, SCRATCH_NUMEL // max(1, x.shape[1])))
+            scratch = self._pooled((step, x.shape[1]), grad.dtype, grad.device)
+        gt = grad.t()
+        for r in range(0, rows, step):
+            n = min(step, rows - r)
+            block = scratch[:n]
+            torch.mm(gt[r:r + n], x, out=block)
+            out[r:r + n].copy_(block)
+        return out
+
+    def _pooled(self, shape: tuple, dtype: torch.dtype, device: torch.device
+                ) -> torch.Tensor:
+        """A view of a pooled buffer of ``shape`` that nothing else holds."""
+        key = (shape, dtype, device)
+        with self._lock:
+            pool = self._scratch.setdefault(key, [])
+            for buf, alone in pool:
+                if _storage_refs(buf) == alone:
+                    return buf.view_as(buf)
+            with torch.inference_mode(False):
+                buf = torch.empty(shape, dtype=dtype, device=device)
+            if len(pool) < MAX_SCRATCH:
+                pool.append((buf, _storage_refs(buf)))
+            return buf.view_as(buf)
+
     def grad_buffer(self, p: torch.Tensor) -> torch.Tensor:
         """A persistent buffer for ``p``'s gradient that nothing outside the cache holds."""
         return self._buffer(p, ("grad", p.dtype), p.dtype)
@@ -114,6 +203,7 @@ class WeightCache:
     def clear(self) -> None:
         with self._lock:
             self._slots = {}
+            self._scratch = {}
 
     def nbytes(self) -> int:
         """Bytes held by the working copies."""
@@ -123,4 +213,6 @@ class WeightCache:
                 for key, entry in per.items():
                     t = entry[1] if key[0] == "infer" else entry[0]  # train/grad: (buf, n)
                     total += t.numel() * t.element_size()
+            for pool in self._scratch.values():
+                total += sum(buf.numel() * buf.element_size() for buf, _ in pool)
             return total

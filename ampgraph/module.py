@@ -78,6 +78,20 @@ class AmpModule(nn.Module):
                 raise
             return getattr(model, name)
 
+    @property
+    def training(self) -> bool:
+        """The user's model's flag: ``model.eval()`` switches the compiled module too."""
+        model = self.__dict__.get("_amp_model")
+        return self.__dict__.get("_amp_training", True) if model is None else model.training
+
+    @training.setter
+    def training(self, mode: bool) -> None:
+        model = self.__dict__.get("_amp_model")
+        if model is None:  # nn.Module.__init__, before the model is attached
+            self.__dict__["_amp_training"] = mode
+        else:
+            model.training = mode
+
     def train(self, mode: bool = True) -> AmpModule:
         super().train(mode)
         self._amp_model.train(mode)
@@ -149,6 +163,7 @@ class AmpModule(nn.Module):
                 captured.gm, self._amp_policy, self.amp_dtype,
                 keep_io_types=self.amp_config.keep_io_types,
                 weight_cast=self._amp_weights.cast if backend is None else None,
+                linear=self._amp_weights.amp_linear if backend is None else None,
             )
         except Exception as exc:
             self._go_eager(f"ampgraph pass failed: {_first_line(exc)}")
@@ -242,8 +257,9 @@ def node_rows(prefix: str, compiled: Compiled, low: torch.dtype) -> list[dict[st
         if node.op == "get_attr":
             path = node.target.rpartition(".")[0]
         module = ".".join(p for p in (prefix, path) if p)
-        precision = decision.precision if decision else NA
-        reason = decision.reason if decision else node.meta.get("amp_reason", "")
+        # meta starts as the painter's decision; later passes (norm cast fusion) amend it
+        precision = node.meta.get("amp_precision", decision.precision if decision else NA)
+        reason = node.meta.get("amp_reason", decision.reason if decision else "")
         if precision == LOW:
             precision = dtype_name(low)
         elif precision == NA and decision is not None:
@@ -252,6 +268,7 @@ def node_rows(prefix: str, compiled: Compiled, low: torch.dtype) -> list[dict[st
                 precision = dtype_name(now)
         elif precision == FP32:
             precision = "fp32"
-        rows.append({"name": node.name, "op": op_key(node) if node.op == "call_function"
-                     else node.op, "module": module, "precision": precision, "reason": reason})
+        op = node.meta.get("amp_orig_op") or op_key(node)  # a fused op shows what it runs
+        rows.append({"name": node.name, "op": op if node.op == "call_function" else node.op,
+                     "module": module, "precision": precision, "reason": reason})
     return rows

@@ -71,6 +71,13 @@ class OpRecorder(TorchDispatchMode):
     def first_input_dtypes(self, names: set[str]) -> set[torch.dtype]:
         return {d[0] for n, d in self.calls if n in names and d}
 
+    def norm_compute_dtypes(self) -> set[torch.dtype]:
+        """The precision each norm computes in: fp32 when it has fp32 weights or statistics
+        (PyTorch's kernels then widen a 16-bit input on load and round once on store, what
+        ampgraph's norm cast fusion relies on), else its input's dtype."""
+        return {torch.float32 if torch.float32 in d else d[0]
+                for n, d in self.calls if n in NORM_OPS and d}
+
     def any_low(self) -> bool:
         return any(dt in LOW for _, d in self.calls for dt in d)
 

@@ -10,6 +10,12 @@ import torch
 from torch import fx
 
 from passes.fx.casts import annotate, count_casts, fold_casts, insert_casts
+from passes.fx.fuse import (
+    channels_last_inputs,
+    fuse_norm_casts,
+    route_linears,
+    sink_gather_casts,
+)
 from passes.fx.graph import build_dataflow, prepare
 from passes.fx.hazards import mark_range_hazards
 from passes.fx.verify import verify
@@ -34,6 +40,8 @@ def run_amp_passes(
     *,
     keep_io_types: bool = True,
     weight_cast: Callable[..., Any] | None = None,
+    fuse_norms: bool = True,
+    linear: Callable[..., Any] | None = None,
 ) -> FxAmpResult:
     """Rewrite ``gm`` in place for mixed precision and verify the result.
 
@@ -44,6 +52,13 @@ def run_amp_passes(
         keep_io_types: cast float outputs back to their original dtype.
         weight_cast: if given, parameter casts call ``weight_cast(param, dtype)`` (a cache of
             low-precision working copies) instead of ``aten._to_copy``.
+        linear: with ``weight_cast``, low-precision ``aten.linear`` nodes on a cast parameter
+            call ``linear(x, w, b)`` instead (the runtime's choice of where weight
+            gradients go).
+        fuse_norms: let fp32 norms take and return ``low`` activations where every use
+            wanted ``low``, cast 4-D inputs of convolutions to channels-last and cast
+            embedding lookups instead of their tables (``passes.fx.fuse``): same numbers,
+            fewer bytes copied.
 
     Example:
         >>> run_amp_passes(ep.module(), make_policy("O2"), torch.bfloat16).casts
@@ -57,9 +72,15 @@ def run_amp_passes(
     annotate(gm, decisions)
     insert_casts(gm, low, keep_io_types=keep_io_types, recompile=False)
     fold_casts(gm, recompile=False)
+    if fuse_norms:
+        fuse_norm_casts(gm, low)
+        channels_last_inputs(gm, low)
+        sink_gather_casts(gm, low)
     verify(gm, low)
     casts = count_casts(gm)
     if weight_cast is not None:
         route_weight_casts(gm, weight_cast, recompile=False)
+        if linear is not None:
+            route_linears(gm, linear, low)
     gm.recompile()
     return FxAmpResult(gm, decisions, casts)

@@ -312,3 +312,22 @@ def test_training_gradients_land_in_reused_buffers_and_kept_ones_are_never_overw
     for p, g in zip(model.parameters(), once):
         assert p.grad.dtype == torch.float32
         torch.testing.assert_close(p.grad, 3 * g, rtol=0, atol=0)
+
+
+def test_mode_follows_the_users_model_as_well_as_the_compiled_module():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8))
+    net = ampgraph.compile(model, "O2", "bf16")
+    x = torch.randn(16, 8)
+    net(x)  # a train-mode graph, updating the running statistics
+    model.eval()  # switched on the user's model, not on net
+    assert not net.training
+    stats = model[1].running_mean.clone()
+    with torch.no_grad():
+        out = net(x)
+        want = model(x)
+    assert torch.equal(model[1].running_mean, stats), "eval: running statistics untouched"
+    assert not model.training and not model[1].training, "running net kept eval mode"
+    torch.testing.assert_close(out, want, rtol=0.05, atol=0.05)
+    net.train()
+    assert model.training and model[1].training

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import ampgraph
-from tests.helpers import MATMUL_OPS, NORM_OPS, cosine, record
+from tests.helpers import MATMUL_OPS, cosine, record
 
 transformers = pytest.importorskip("transformers")
 
@@ -41,7 +41,7 @@ def test_hf_bert_compiles_at_o2_with_attention_mask_and_matches_fp32():
     assert out.logits.dtype == torch.float32
     assert cosine(out.logits, ref.logits) >= 0.999
     assert {d[0] for _, d in rec.inputs_of(MATMUL_OPS)} == {torch.bfloat16}
-    assert rec.first_input_dtypes(NORM_OPS) == {torch.float32}
+    assert rec.norm_compute_dtypes() == {torch.float32}
     # padding really is masked: changing padded tokens changes nothing
     ids2 = ids.clone()
     ids2[1, 6:] = 7

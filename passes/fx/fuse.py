@@ -1,0 +1,288 @@
+"""Cast fusion: rewrites after cast insertion that keep every value and copy fewer bytes.
+
+- :func:`fuse_norm_casts`: the casts around fp32 normalisation go into the norm kernel.
+- :func:`channels_last_inputs`: inputs of convolutions are cast straight to channels-last.
+- :func:`sink_gather_casts`: an embedding gathers from its fp32 table and casts the rows.
+- :func:`route_linears`: a linear casts its own weight and converts its weight gradient.
+
+Norms. O2 keeps batch/layer/group norm in fp32, so a low-precision activation is widened
+before the norm and its result rounded back for the next low-precision op: two extra passes
+over every activation. PyTorch's CPU and CUDA norm kernels accept a 16-bit input with fp32
+weights (what cuDNN batch norm and Apex O2's ``keep_batchnorm_fp32`` rely on): they widen on
+load, keep the statistics, the weights and the arithmetic in fp32 and round once on store.
+``x16 -> cast fp32 -> norm -> [relu] -> cast x16`` therefore becomes ``x16 -> norm -> [relu]``
+with the same numbers: widening is exact, the norm still computes in fp32, and the single
+rounding on store is the one the removed cast made (relu, and hardtanh with bounds exact in
+the low dtype, commute with rounding). The backward rounds the input gradient once, as the
+removed cast's backward did. The fusion applies only where every use of the norm's output
+wanted the low dtype, and only for kernels a probe on the graph's device shows to accept the
+mix; the norm keeps ``amp_precision == "fp32"`` and gains ``meta["amp_io"]``.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import fx
+
+from passes._infra import PassResult
+from passes.fx.casts import CAST, dtype_of, is_amp_cast
+from passes.fx.graph import tensors
+from passes.policy import FP32, LOW
+
+aten = torch.ops.aten
+
+SINGLE = {aten.batch_norm.default, aten.layer_norm.default, aten.group_norm.default}
+TUPLE = {aten.native_layer_norm.default, aten.native_batch_norm.default,
+         aten._native_batch_norm_legit_functional.default,
+         aten._native_batch_norm_legit_no_training.default,
+         aten.native_group_norm.default}
+# ops that commute exactly with rounding to the low dtype: round(f(x)) == f(round(x))
+EXACT = {aten.relu.default, aten.hardtanh.default}
+
+
+def fuse_norm_casts(gm: fx.GraphModule, low: torch.dtype) -> PassResult:
+    """Feed fp32 norms their low-precision input directly and drop the casts around them.
+
+    Example:
+        >>> fuse_norm_casts(gm, torch.bfloat16).modified
+        True
+    """
+    modified = False
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.meta.get("amp_precision") == FP32 \
+                and (node.target in SINGLE or node.target in TUPLE):
+            modified |= _fuse(gm, node, low)
+    return PassResult(gm, modified)
+
+
+def _fuse(gm: fx.GraphModule, norm: fx.Node, low: torch.dtype) -> bool:
+    widen = norm.args[0] if norm.args else None
+    refuse = norm.meta.get("amp_io") == low  # fused by an earlier run: its input is low
+    if not refuse and not (is_amp_cast(widen) and dtype_of(widen) == torch.float32
+                           and dtype_of(widen.args[0]) == low):
+        return False
+    out = _data_output(norm)
+    if out is None or not _mixed_io_supported(norm.target, _device(norm), low):
+        return False
+    found: dict[str, list[fx.Node]] = {"chain": [], "narrow": [], "widen": []}
+    if not _all_uses_want_low(out, low, found):
+        return False
+    if not refuse:
+        norm.args = (widen.args[0], *norm.args[1:])
+        if not widen.users:
+            gm.graph.erase_node(widen)
+        norm.meta["amp_io"] = low
+        norm.meta["amp_reason"] = (
+            f"{norm.meta.get('amp_reason', '')}; computes in fp32 (statistics, weights) with "
+            f"{_short(low)} input and output: the casts around it are fused into the kernel")
+    for n in (out, *found["chain"]):
+        n.meta["amp_dtype"] = low
+    for n in found["chain"]:
+        n.meta["amp_precision"] = LOW
+        n.meta["amp_reason"] = (f"clear op after {norm.name}, whose {_short(low)} output it "
+                                "follows (exact: commutes with rounding)")
+    for cast in (*found["widen"], *found["narrow"]):  # widen first: narrows may read them
+        cast.replace_all_uses_with(cast.args[0])
+        gm.graph.erase_node(cast)
+    return not refuse or any(found.values())
+
+
+def _short(low: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(low, str(low))
+
+
+def _data_output(norm: fx.Node) -> fx.Node | None:
+    """The node holding the normalised tensor (the norm itself, or its ``[0]`` getitem)."""
+    if norm.target in SINGLE:
+        return norm
+    items = [u for u in norm.users if u.target is operator.getitem]
+    zero = [u for u in items if u.args[1] == 0]
+    return zero[0] if len(zero) == 1 and len(items) == len(norm.users) else None
+
+
+def _all_uses_want_low(node: fx.Node, low: torch.dtype, found: dict[str, list]) -> bool:
+    """Every use of ``node`` (through exact ops) is a cast to ``low``. On a graph fused
+    before, the norm's output is already ``low`` and the uses may first widen it again."""
+    if not node.users:
+        return False
+    for user in node.users:
+        if is_amp_cast(user) and dtype_of(user) == low:
+            found["narrow"].append(user)
+        elif is_amp_cast(user) and dtype_of(user) == torch.float32 \
+                and dtype_of(node) == low:
+            found["widen"].append(user)
+            if not _all_uses_want_low(user, low, found):
+                return False
+        elif _exact_under_rounding(user, node, low):
+            found["chain"].append(user)
+            if not _all_uses_want_low(user, low, found):
+                return False
+        else:
+            return False
+    return True
+
+
+def _exact_under_rounding(user: fx.Node, src: fx.Node, low: torch.dtype) -> bool:
+    if user.op != "call_function" or user.target not in EXACT or user.args[0] is not src \
+            or user.kwargs or any(isinstance(a, fx.Node) for a in user.args[1:]):
+        return False
+    bounds = [float(b) for b in user.args[1:]]
+    return all(torch.tensor(b, dtype=low).item() == b for b in bounds)
+
+
+def _device(node: fx.Node) -> torch.device | None:
+    ts = tensors(node.meta.get("val"))
+    return ts[0].device if ts else None
+
+
+@functools.cache
+def _mixed_io_supported(target, device: torch.device | None, low: torch.dtype) -> bool:
+    """Whether ``target`` runs forward and backward with a ``low`` input and fp32 weights on
+    ``device`` (a real run on tiny tensors: kernels differ by device and version)."""
+    if device is None or device.type not in ("cpu", "cuda"):
+        return False
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return False
+    try:
+        with torch.inference_mode(False), torch.enable_grad():
+            x = torch.randn(4, 4, 3, device=device, dtype=low, requires_grad=True)
+            w = torch.ones(4, device=device, requires_grad=True)
+            b = torch.zeros(4, device=device, requires_grad=True)
+            stats = (torch.zeros(4, device=device), torch.ones(4, device=device))
+            if target in (aten.layer_norm.default, aten.native_layer_norm.default):
+                y = aten.native_layer_norm(x.transpose(1, 2), [4], w, b, 1e-5)[0]
+            elif target in (aten.group_norm.default, aten.native_group_norm.default):
+                y = aten.group_norm(x, 2, w, b, 1e-5)
+            else:
+                y = aten.batch_norm(x, w, b, *stats, True, 0.1, 1e-5, False)
+                aten.batch_norm(x.detach(), w, b, *stats, False, 0.1, 1e-5, False)
+            y.float().sum().backward()
+        return y.dtype == low and x.grad.dtype == low and w.grad.dtype == torch.float32
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+
+
+def route_linears(gm: fx.GraphModule, linear_fn: Callable[..., Any], low: torch.dtype
+                  ) -> PassResult:
+    """Replace ``aten.linear(x, cast(w), b)`` by ``linear_fn(x, w, b)`` where ``x`` is
+    ``low`` and the cast of parameter ``w`` (routed by ``passes.fx.weights``) serves only
+    this linear: the runtime then fuses the weight cast and the conversion of the weight
+    gradient into the linear. Run after ``route_weight_casts``; the cast still happens (it
+    stays counted), inside ``linear_fn``.
+
+    Example:
+        >>> route_linears(gm, cache.amp_linear, torch.bfloat16)
+    """
+    modified = False
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.linear.default \
+                or len(node.args) < 2 or node.kwargs:
+            continue
+        x, w = node.args[0], node.args[1]
+        if dtype_of(x) != low or not (is_amp_cast(w) and w.target is not CAST
+                                      and w.args[0].op == "get_attr" and len(w.users) == 1):
+            continue
+        node.target = linear_fn
+        node.args = (x, w.args[0], *node.args[2:])
+        node.meta["amp_fused_weight_cast"] = low
+        node.meta["amp_orig_op"] = "aten.linear"
+        node.meta["amp_reason"] = (f"{node.meta.get('amp_reason', '')}; its weight cast and "
+                                   "the conversion of its weight gradient are fused into it")
+        gm.graph.erase_node(w)
+        modified = True
+    return PassResult(gm, modified)
+
+
+CONVS = {aten.conv2d.default, aten.convolution.default}
+VIEWS = {aten.view.default, aten._unsafe_view.default, aten.as_strided.default}
+
+
+def channels_last_inputs(gm: fx.GraphModule, low: torch.dtype) -> PassResult:
+    """Let the casts of 4-D graph inputs that feed a convolution write channels-last.
+
+    oneDNN and cuDNN run 16-bit convolutions fastest on NHWC; an NCHW input is reordered on
+    every call. Writing the input cast (which copies anyway) in channels-last makes the
+    convolutions, and the norms and elementwise ops that follow, run NHWC at no extra
+    copy. Values are unchanged, only strides. Applied only when no graph output is 4-D
+    or more (callers may ``.view`` it) and no ``view``/``as_strided`` reads a 4-D tensor
+    (a view needs the strides it was written for).
+    """
+    nodes = list(gm.graph.nodes)
+    out = next(n for n in reversed(nodes) if n.op == "output")
+    if any(len(getattr(t, "shape", ())) >= 4 for a in out.all_input_nodes
+           for t in tensors(a.meta.get("val"))):
+        return PassResult(gm, False)
+    for n in nodes:
+        if n.op == "call_function" and n.target in VIEWS and any(
+                t.dim() == 4 for t in tensors(n.args[0].meta.get("val"))):
+            return PassResult(gm, False)
+    modified = False
+    for cast in nodes:
+        if is_amp_cast(cast) and cast.target is CAST and dtype_of(cast) == low \
+                and cast.args[0].op == "placeholder" \
+                and any(t.dim() == 4 for t in tensors(cast.meta.get("val"))) \
+                and any(u.target in CONVS and u.args[0] is cast for u in cast.users):
+            cast.kwargs = {**cast.kwargs, "memory_format": torch.channels_last}
+            modified = True
+    return PassResult(gm, modified)
+
+
+GATHERS = {aten.embedding.default}
+
+
+def sink_gather_casts(gm: fx.GraphModule, low: torch.dtype) -> PassResult:
+    """``embedding(cast(W), ids)`` becomes ``cast(embedding(W, ids))`` when the lookup is
+    smaller than the table: a gather does no arithmetic, so the values are the same, but
+    only the rows used are cast, and the table's gradient is made in fp32 directly instead
+    of in ``low`` and then converted.
+
+    Example:
+        >>> sink_gather_casts(gm, torch.bfloat16).modified
+        True
+    """
+    modified = False
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in GATHERS:
+            continue
+        cast = node.args[0]
+        if not (is_amp_cast(cast) and cast.target is CAST and dtype_of(cast) == low
+                and cast.args[0].op == "get_attr" and len(cast.users) == 1):
+            continue
+        table, out = _numel(cast.args[0]), _numel(node)
+        if table is None or out is None or out >= table:
+            continue
+        node.args = (cast.args[0], *node.args[1:])
+        gm.graph.erase_node(cast)
+        with gm.graph.inserting_after(node):
+            narrow = gm.graph.call_function(CAST, (node,), {"dtype": low})
+        node.replace_all_uses_with(narrow, delete_user_cb=lambda u, n=narrow: u is not n)
+        narrow.meta.update(amp_cast=True, amp_precision="n/a", val=node.meta.get("val"),
+                           amp_dtype=low, amp_reason=f"cast torch.float32 -> {low}")
+        if "nn_module_stack" in node.meta:
+            narrow.meta["nn_module_stack"] = node.meta["nn_module_stack"]
+        node.meta.update(amp_dtype=torch.float32, amp_precision=FP32, amp_reason=(
+            f"gathers from the fp32 table ({table} elements) and casts its smaller "
+            f"output ({out}): same values, fewer bytes cast"))
+        modified = True
+    return PassResult(gm, modified)
+
+
+def _numel(node: fx.Node) -> int | None:
+    """Elements of a node's single tensor output at the captured sizes, or None."""
+    ts = tensors(node.meta.get("val"))
+    if len(ts) != 1:
+        return None
+    n = 1
+    for d in ts[0].shape:
+        if not isinstance(d, int):
+            try:
+                d = d.node.shape_env.size_hint(d.node.expr)
+            except Exception:  # unbacked or hint-less sizes
+                return None
+        n *= int(d)
+    return n

@@ -1,0 +1,93 @@
+"""Linear layers with the weight cast fused in: gradients computed block by block into the
+master's gradient buffer through a small pooled scratch."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from ampgraph._weights import WeightCache
+from passes.fx import run_amp_passes
+from passes.policy import make_policy
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 8)
+
+    def forward(self, x):
+        h = torch.relu(self.fc1(x))
+        h = self.fc2(h) + self.fc2(h * 2)  # a weight used twice: one cast, two linears
+        return self.fc3(torch.relu(h))
+
+
+def compiled(model, x, fused):
+    gm = torch.export.export(model, (x,), strict=False).module()
+    cache = WeightCache()
+    run_amp_passes(gm, make_policy("O2"), torch.bfloat16, weight_cast=cache.cast,
+                   linear=cache.amp_linear if fused else None)
+    return gm, cache
+
+
+@pytest.mark.parametrize("block", [None, 40])  # one block, or 2-3 rows per block
+def test_routed_linears_give_the_same_outputs_and_gradients_as_aten_linear(block, monkeypatch):
+    import ampgraph._weights as weights
+
+    if block is not None:
+        monkeypatch.setattr(weights, "SCRATCH_NUMEL", block)
+    torch.manual_seed(0)
+    for shape in ((5, 16), (2, 3, 16)):  # 2-D and batched inputs
+        model = Net()
+        x = torch.randn(*shape)
+        fused, cache = compiled(model, x, True)
+        plain, _ = compiled(copy.deepcopy(model), x, False)
+        targets = [n.target for n in fused.graph.nodes if n.op == "call_function"]
+        assert targets.count(cache.amp_linear) == 2, "fc1 and fc3; fc2's cast is shared"
+        assert targets.count(torch.ops.aten.linear.default) == 2
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        out_a, out_b = fused(xa), plain(xb)
+        torch.testing.assert_close(out_a, out_b, rtol=0, atol=0)
+        out_a.square().sum().backward()
+        out_b.square().sum().backward()
+        torch.testing.assert_close(xa.grad, xb.grad)
+        for (name, p), q in zip(fused.named_parameters(), plain.parameters()):
+            assert p.grad.dtype == torch.float32
+            torch.testing.assert_close(p.grad, q.grad, msg=name)  # same bf16 roundings
+        if block is not None:
+            assert {k[0] for k in cache._scratch} == {(2, 16), (1, 32)}
+
+
+def test_gradient_buffers_and_scratch_are_reused_across_steps(monkeypatch):
+    import ampgraph._weights as weights
+
+    monkeypatch.setattr(weights, "SCRATCH_NUMEL", 64)
+    torch.manual_seed(0)
+    model = Net()
+    x = torch.randn(4, 16)
+    gm, cache = compiled(model, x, True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    seen = []
+    for _ in range(4):
+        opt.zero_grad(set_to_none=True)
+        gm(x).square().mean().backward()
+        opt.step()
+        seen.append(([p.grad.data_ptr() for p in model.parameters()],
+                     {k: [b.data_ptr() for b, _ in pool] for k, pool in cache._scratch.items()}))
+    assert seen[1] == seen[2] == seen[3], "steady state: no new gradient or scratch buffers"
+    assert all(len(pool) == 1 for pool in cache._scratch.values())
+
+
+def test_two_forwards_then_one_backward_with_routed_linears():
+    torch.manual_seed(0)
+    model = Net()
+    x1, x2 = torch.randn(3, 16), torch.randn(3, 16)
+    gm, _ = compiled(model, x1, True)
+    ref, _ = compiled(copy.deepcopy(model), x1, False)
+    (gm(x1).square().sum() + gm(x2).square().sum()).backward()
+    (ref(x1).square().sum() + ref(x2).square().sum()).backward()
+    for p, q in zip(gm.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)

@@ -1,0 +1,215 @@
+"""Norm cast fusion: fp32 norms take and return low-precision activations, same numbers."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from passes.fx import run_amp_passes
+from passes.fx.casts import dtype_of, is_amp_cast
+from passes.fx.fuse import _mixed_io_supported
+from passes.policy import make_policy
+from tests.helpers import NORM_OPS, record
+
+aten = torch.ops.aten
+
+
+class ConvBlock(nn.Module):
+    """conv -> BN -> relu -> conv -> BN, + residual, relu: the ResNet pattern."""
+
+    def __init__(self, out_fp32: bool = False):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(4, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.conv2, self.bn2 = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.out_fp32 = out_fp32
+
+    def forward(self, x):
+        h = self.conv2(torch.relu(self.bn1(self.conv1(x))))
+        if self.out_fp32:  # the norm's output is the model's output: nothing to fuse
+            return self.bn2(h)
+        return torch.relu(self.bn2(h) + h)
+
+
+class LnBlock(nn.Module):
+    def __init__(self, d: int = 16):
+        super().__init__()
+        self.fc1, self.ln, self.fc2 = nn.Linear(d, d), nn.LayerNorm(d), nn.Linear(d, d)
+        self.gn = nn.GroupNorm(2, 4)
+
+    def forward(self, x):
+        return self.fc2(self.ln(self.fc1(x)))
+
+
+def passes(model, inputs, fuse, level="O2", low=torch.bfloat16):
+    gm = torch.export.export(model, inputs, strict=False).module()
+    run_amp_passes(gm, make_policy(level), low, fuse_norms=fuse)
+    return gm
+
+
+def norm_nodes(gm):
+    return [n for n in gm.graph.nodes
+            if n.op == "call_function" and n.target in (aten.batch_norm.default,
+                                                        aten.layer_norm.default)]
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_batchnorm_casts_are_fused_with_the_same_numbers_and_gradients(train):
+    torch.manual_seed(0)
+    model = ConvBlock().train(train)
+    x = torch.randn(4, 4, 8, 8)
+    fused, plain = passes(copy.deepcopy(model), (x,), True), passes(model, (x,), False)
+    casts = lambda gm: sum(is_amp_cast(n) for n in gm.graph.nodes)  # noqa: E731
+    assert casts(plain) - casts(fused) == 4, "two casts less around each of the two norms"
+    for n in norm_nodes(fused):
+        assert dtype_of(n.args[0]) == torch.bfloat16 and dtype_of(n) == torch.bfloat16
+        assert dtype_of(n.args[1]) == torch.float32, "weights stay fp32 masters"
+        assert n.meta["amp_precision"] == "fp32" and "fused" in n.meta["amp_reason"]
+    relu = next(n for n in fused.graph.nodes if n.target == aten.relu.default)
+    assert relu.meta["amp_precision"] == "low"
+    # the norm computes in fp32: it gets fp32 weights and statistics at run time
+    xs = [x.clone().requires_grad_() for _ in range(2)]
+    (out_f, rec), out_p = record(lambda: fused(xs[0])), plain(xs[1])
+    assert {d[0] for n, d in rec.calls if n in NORM_OPS} == {torch.bfloat16}
+    assert rec.norm_compute_dtypes() == {torch.float32}
+    torch.testing.assert_close(out_f, out_p, rtol=1e-2, atol=1e-2)
+    out_f.square().sum().backward()
+    out_p.square().sum().backward()
+    torch.testing.assert_close(xs[0].grad, xs[1].grad, rtol=2e-2, atol=2e-2)
+    for (name, p), q in zip(fused.named_parameters(), plain.parameters()):
+        assert p.grad.dtype == torch.float32
+        torch.testing.assert_close(p.grad, q.grad, rtol=2e-2, atol=2e-2, msg=name)
+    if train:  # running statistics are updated in fp32 exactly alike
+        for b, c in zip(fused.buffers(), plain.buffers()):
+            torch.testing.assert_close(b, c, rtol=1e-3, atol=1e-4)
+
+
+def test_layernorm_between_matmuls_is_fused():
+    torch.manual_seed(0)
+    model = LnBlock()
+    x = torch.randn(3, 16)
+    fused, plain = passes(copy.deepcopy(model), (x,), True), passes(model, (x,), False)
+    (ln,) = norm_nodes(fused)
+    assert dtype_of(ln.args[0]) == torch.bfloat16 and "amp_io" in ln.meta
+    torch.testing.assert_close(fused(x), plain(x), rtol=1e-2, atol=1e-2)
+
+
+def test_no_fusion_where_a_use_wants_fp32_or_at_o1_with_fp32_neighbours():
+    model = ConvBlock(out_fp32=True).eval()
+    x = torch.randn(2, 4, 8, 8)
+    gm = passes(model, (x,), True)
+    bn1, bn2 = norm_nodes(gm)
+    assert "amp_io" in bn1.meta, "bn1 -> relu -> conv: every use wants bf16"
+    assert "amp_io" not in bn2.meta and dtype_of(bn2.args[0]) == torch.float32, \
+        "bn2 is the output: rounding it to bf16 would lose precision"
+    assert dtype_of(bn2) == torch.float32
+
+
+def test_relu_chain_ending_in_fp32_use_is_not_fused():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.bn = nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4)
+
+        def forward(self, x):
+            h = torch.relu(self.bn(self.conv(x)))
+            return self.conv(x[:, :3] * 0 + h[:, :3]), h.softmax(1)  # softmax is fp32
+
+    gm = passes(M().eval(), (torch.randn(1, 3, 4, 4),), True)
+    (bn,) = norm_nodes(gm)
+    assert "amp_io" not in bn.meta
+
+
+def test_hardtanh_fuses_only_with_bounds_exact_in_the_low_dtype():
+    class M(nn.Module):
+        def __init__(self, lo, hi):
+            super().__init__()
+            self.fc1, self.ln, self.fc2 = nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 4)
+            self.lo, self.hi = lo, hi
+
+        def forward(self, x):
+            return self.fc2(nn.functional.hardtanh(self.ln(self.fc1(x)), self.lo, self.hi))
+
+    x = torch.randn(2, 4)  # at O1 hardtanh follows the fp32 norm; fc2 is the bf16 use
+    assert "amp_io" in norm_nodes(passes(M(0.0, 6.0), (x,), True, "O1"))[0].meta
+    assert "amp_io" not in norm_nodes(passes(M(0.0, 6.001), (x,), True, "O1"))[0].meta
+
+
+def test_probe_refuses_devices_it_cannot_run_on():
+    assert _mixed_io_supported(aten.batch_norm.default, torch.device("cpu"), torch.bfloat16)
+    assert _mixed_io_supported(aten.layer_norm.default, torch.device("cpu"), torch.float16)
+    assert not _mixed_io_supported(aten.batch_norm.default, torch.device("meta"),
+                                   torch.bfloat16)
+    assert not _mixed_io_supported(aten.batch_norm.default, None, torch.bfloat16)
+
+
+def _input_cast(gm):
+    return next(n for n in gm.graph.nodes if is_amp_cast(n) and n.args[0].op == "placeholder")
+
+
+def test_conv_input_cast_writes_channels_last_with_the_same_values():
+    torch.manual_seed(0)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block, self.fc = ConvBlock(), nn.Linear(8, 3)
+
+        def forward(self, x):
+            return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(self.block(x), 1), 1))
+
+    model = Net().eval()
+    x = torch.randn(2, 4, 8, 8)
+    fused, plain = passes(copy.deepcopy(model), (x,), True), passes(model, (x,), False)
+    assert _input_cast(fused).kwargs.get("memory_format") == torch.channels_last
+    assert "memory_format" not in _input_cast(plain).kwargs
+    torch.testing.assert_close(fused(x), plain(x), rtol=1e-2, atol=1e-2)
+
+
+def test_no_channels_last_when_a_4d_tensor_is_returned_or_viewed():
+    x = torch.randn(2, 4, 8, 8)
+    gm = passes(ConvBlock().eval(), (x,), True)  # returns a 4-D tensor
+    assert "memory_format" not in _input_cast(gm).kwargs
+
+    class Viewed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(4, 4, 3, padding=1)
+
+        def forward(self, x):
+            return self.conv(x).view(x.shape[0], -1)
+
+    gm = passes(Viewed(), (x,), True)
+    assert "memory_format" not in _input_cast(gm).kwargs
+    assert gm(x).shape == (2, 256)
+
+
+class Emb(nn.Module):
+    def __init__(self, vocab):
+        super().__init__()
+        self.emb, self.fc = nn.Embedding(vocab, 8), nn.Linear(8, 4)
+
+    def forward(self, ids):
+        return self.fc(self.emb(ids))
+
+
+def test_embedding_gathers_from_the_fp32_table_and_casts_its_smaller_output():
+    torch.manual_seed(0)
+    model = Emb(100)
+    ids = torch.randint(0, 100, (2, 5))
+    fused, plain = passes(copy.deepcopy(model), (ids,), True), passes(model, (ids,), False)
+    (emb,) = [n for n in fused.graph.nodes if n.target == aten.embedding.default]
+    assert emb.args[0].op == "get_attr" and dtype_of(emb) == torch.float32
+    assert all(is_amp_cast(u) and dtype_of(u) == torch.bfloat16 for u in emb.users)
+    out_f, out_p = fused(ids), plain(ids)
+    torch.testing.assert_close(out_f, out_p, rtol=0, atol=0)  # a gather commutes with a cast
+    out_f.sum().backward()
+    out_p.sum().backward()
+    for p, q in zip(fused.parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-2, atol=1e-3)
+    # a lookup larger than its table keeps casting the table
+    small = passes(Emb(3), (torch.randint(0, 3, (4, 5)),), True)
+    (emb,) = [n for n in small.graph.nodes if n.target == aten.embedding.default]
+    assert is_amp_cast(emb.args[0])
