@@ -153,11 +153,13 @@ class WeightCache:
         rows = grad.shape[1]
         if w is None or w.shape != (rows, x.shape[1]) or w.layout != torch.strided:
             return grad.t().mm(x).to(torch.float32 if w is None else w.dtype)
-        with self._lock:  # pick free buffers and mark them in use (the views) atomically
+        with self._lock:  # pick a free buffer and mark it in use (the view) atomically
             out = self.grad_buffer(w).view_as(w)
-            step = max(1, min(rows, SCRATCH_NUMEL // max(1, x.shape[1])))
-            scratch = self._pooled((step, x.shape[1]), grad.dtype, grad.device)
         gt = grad.t()
+        if w.numel() <= SCRATCH_NUMEL:  # small: one product; the allocator recycles it
+            return out.copy_(gt.mm(x))
+        step = max(1, SCRATCH_NUMEL // max(1, x.shape[1]))
+        scratch = self._pooled((step, x.shape[1]), grad.dtype, grad.device)
         for r in range(0, rows, step):
             n = min(step, rows - r)
             block = scratch[:n]

@@ -281,7 +281,7 @@ def _numel(node: fx.Node) -> int | None:
     for d in ts[0].shape:
         if not isinstance(d, int):
             try:
-                d = d.node.shape_env.size_hint(d.node.expr)
+                d = d.node.shape_env.optimization_hint(d.node.expr)
             except Exception:  # unbacked or hint-less sizes
                 return None
         n *= int(d)
