@@ -250,9 +250,10 @@ def fx_stats(graphs: Iterable[tuple[str, Compiled]]) -> dict[str, Any]:
                 else:
                     act += out_bytes(node)
                 continue
-            fused = node.meta.get("amp_fused_weight_cast")  # a linear casting its weight
-            if fused is not None and isinstance(_val(node.args[1]), torch.Tensor):
-                copies += _val(node.args[1]).numel() * fused.itemsize
+            for key, i in (("amp_fused_weight_cast", 1), ("amp_fused_bias_cast", 2)):
+                fused = node.meta.get(key)  # a linear casting its own weight / bias
+                if fused is not None and isinstance(_val(node.args[i]), torch.Tensor):
+                    copies += _val(node.args[i]).numel() * fused.itemsize
             f = node_flops(node)
             flops += f
             if node.meta.get("amp_precision") == "low":
@@ -318,13 +319,16 @@ def fx_view(graphs: list[tuple[str, Compiled]], low: torch.dtype) -> GraphView:
                 view.nodes.append(ViewNode(pid(node.name), node.name, op,
                                            row.get("precision", "n/a"), kind,
                                            row.get("module", prefix), row.get("reason", "")))
-                fused = node.meta.get("amp_fused_weight_cast")
-                if fused is not None:  # the weight cast runs inside the linear: drawn apart
-                    weight = ".".join(p for p in (prefix, str(node.args[1].target)) if p)
-                    cast_id = pid(f"{node.name}_weight_cast")
+                for key, i, what in (("amp_fused_weight_cast", 1, "weight"),
+                                     ("amp_fused_bias_cast", 2, "bias")):
+                    fused = node.meta.get(key)
+                    if fused is None:  # the cast runs inside the linear: drawn apart
+                        continue
+                    param = ".".join(p for p in (prefix, str(node.args[i].target)) if p)
+                    cast_id = pid(f"{node.name}_{what}_cast")
                     view.nodes.append(ViewNode(cast_id, f"cast to {dtype_name(fused)}", "cast",
                                                "cast", "cast", prefix,
-                                               f"{weight} (fused into {node.name})"))
+                                               f"{param} (fused into {node.name})"))
                     view.edges.append((cast_id, pid(node.name)))
             shown.add(node.name)
             view.edges += [(pid(a.name), pid(node.name)) for a in inputs]

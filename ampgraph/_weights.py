@@ -59,7 +59,8 @@ class _CastInto(torch.autograd.Function):
 
 
 class _Linear(torch.autograd.Function):
-    """``linear(x, low(w_master), b)`` with the weight cast and gradient conversion fused in.
+    """``linear(x, low(w_master), low(b_master))`` with the casts and the conversion of the
+    gradients fused in (a bias already in ``x``'s dtype is used as it is).
 
     Forward casts the fp32 master into its persistent working copy and runs ``aten.linear``.
     Backward computes ``grad_out.T @ input`` in the low dtype, as aten's linear backward
@@ -71,14 +72,18 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
                 cache: WeightCache) -> torch.Tensor:
-        with cache._lock:  # pick a free buffer and mark it in use (the view) atomically
+        cast_bias = b is not None and b.dtype != x.dtype  # an fp32 master bias: cast here too
+        with cache._lock:  # pick free buffers and mark them in use (the views) atomically
             wl = cache._buffer(w, ("train", x.dtype), x.dtype).view_as(w)
+            bl = cache._buffer(b, ("train", x.dtype), x.dtype).view_as(b) if cast_bias else b
         wl.copy_(w)
+        if cast_bias:
+            bl.copy_(b)
         ctx.save_for_backward(x, wl)
-        ctx.param_ref = weakref.ref(w)
+        ctx.refs = (weakref.ref(w), weakref.ref(b) if cast_bias else None)
         ctx.cache = cache
         ctx.has_bias = b is not None
-        return torch.ops.aten.linear.default(x, wl, b)
+        return torch.ops.aten.linear.default(x, wl, bl)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
@@ -88,11 +93,17 @@ class _Linear(torch.autograd.Function):
         if need_x:
             gx = grad.matmul(wl)
         grad2 = grad.reshape(-1, grad.shape[-1])
+        w_ref, b_ref = ctx.refs
         if need_w:
-            gw = ctx.cache.linear_weight_grad(ctx.param_ref(), grad2,
-                                              x.reshape(-1, x.shape[-1]))
+            gw = ctx.cache.linear_weight_grad(w_ref(), grad2, x.reshape(-1, x.shape[-1]))
         if need_b and ctx.has_bias:
-            gb = grad2.sum(0)
+            gb = grad2.sum(0)  # in the low dtype, as aten's linear backward
+            b = b_ref() if b_ref is not None else None
+            if b is not None:
+                with ctx.cache._lock:
+                    gb = ctx.cache.grad_buffer(b).view_as(b).copy_(gb)
+            elif b_ref is not None:
+                gb = gb.float()
         return gx, gw, gb, None
 
 
@@ -145,6 +156,7 @@ class WeightCache:
         :class:`_Linear`); without gradients, the inference working copy is used."""
         if torch.is_grad_enabled() and w.requires_grad:
             return _Linear.apply(x, w, b, self)
+        b = self.cast(b, x.dtype) if b is not None else None
         return torch.ops.aten.linear.default(x, self.cast(w, x.dtype), b)
 
     def linear_weight_grad(self, w: torch.Tensor | None, grad: torch.Tensor,

@@ -190,10 +190,16 @@ def route_linears(gm: fx.GraphModule, linear_fn: Callable[..., Any], low: torch.
         node.target = linear_fn
         node.args = (x, w.args[0], *node.args[2:])
         node.meta["amp_fused_weight_cast"] = low
+        gm.graph.erase_node(w)
+        b = node.args[2] if len(node.args) > 2 else None
+        if is_amp_cast(b) and b.target is not CAST and b.args[0].op == "get_attr" \
+                and len(b.users) == 1:
+            node.args = (x, node.args[1], b.args[0], *node.args[3:])
+            node.meta["amp_fused_bias_cast"] = low
+            gm.graph.erase_node(b)
         node.meta["amp_orig_op"] = "aten.linear"
         node.meta["amp_reason"] = (f"{node.meta.get('amp_reason', '')}; its weight cast and "
                                    "the conversion of its weight gradient are fused into it")
-        gm.graph.erase_node(w)
         modified = True
     return PassResult(gm, modified)
 

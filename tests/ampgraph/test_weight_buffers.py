@@ -48,6 +48,9 @@ def test_routed_linears_give_the_same_outputs_and_gradients_as_aten_linear(block
         targets = [n.target for n in fused.graph.nodes if n.op == "call_function"]
         assert targets.count(cache.amp_linear) == 2, "fc1 and fc3; fc2's cast is shared"
         assert targets.count(torch.ops.aten.linear.default) == 2
+        routed = [n for n in fused.graph.nodes if n.target == cache.amp_linear]
+        assert all(n.args[1].op == n.args[2].op == "get_attr" for n in routed), \
+            "weight and bias casts happen inside the linear"
         xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
         out_a, out_b = fused(xa), plain(xb)
         torch.testing.assert_close(out_a, out_b, rtol=0, atol=0)

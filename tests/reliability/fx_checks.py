@@ -137,7 +137,8 @@ def check_fx_program(program: Program, level: str, dtype: torch.dtype) -> FxOutc
         out_c = _call(net_c, x, y)
     _check_not_eager(net_c)
     rel = max(rel, _known(program, dtype, check_outputs, ref, out_c, low, numerics, floor))
-    assert sum(is_amp_cast(n) or "amp_fused_weight_cast" in n.meta  # a linear's own cast
+    assert sum(is_amp_cast(n) + ("amp_fused_weight_cast" in n.meta)  # a linear's own casts
+               + ("amp_fused_bias_cast" in n.meta)
                for n in net_c._amp_last.gm.graph.nodes) == result.casts
     check_compile_twice(net_c, level, dtype)
     x3, y3 = example_inputs(program, batch=3)  # a new batch size reuses the dynamic graph
