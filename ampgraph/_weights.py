@@ -52,10 +52,8 @@ class _CastInto(torch.autograd.Function):
         param = ctx.param_ref()
         if param is None or grad.shape != param.shape or grad.layout != torch.strided:
             return grad.to(torch.float32 if param is None else param.dtype), None, None
-        with ctx.cache._lock:  # pick a free buffer and mark it in use (the view) atomically
-            out = ctx.cache.grad_buffer(param).view_as(param)
         # a fresh view: autograd may adopt it as param.grad without copying
-        return out.copy_(grad), None, None
+        return ctx.cache.grad_buffer(param).copy_(grad), None, None
 
 
 class _Linear(torch.autograd.Function):
@@ -73,9 +71,8 @@ class _Linear(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
                 cache: WeightCache) -> torch.Tensor:
         cast_bias = b is not None and b.dtype != x.dtype  # an fp32 master bias: cast here too
-        with cache._lock:  # pick free buffers and mark them in use (the views) atomically
-            wl = cache._buffer(w, ("train", x.dtype), x.dtype).view_as(w)
-            bl = cache._buffer(b, ("train", x.dtype), x.dtype).view_as(b) if cast_bias else b
+        wl = cache._buffer(w, ("train", x.dtype), x.dtype)
+        bl = cache._buffer(b, ("train", x.dtype), x.dtype) if cast_bias else b
         wl.copy_(w)
         if cast_bias:
             bl.copy_(b)
@@ -100,8 +97,7 @@ class _Linear(torch.autograd.Function):
             gb = grad2.sum(0)  # in the low dtype, as aten's linear backward
             b = b_ref() if b_ref is not None else None
             if b is not None:
-                with ctx.cache._lock:
-                    gb = ctx.cache.grad_buffer(b).view_as(b).copy_(gb)
+                gb = ctx.cache.grad_buffer(b).copy_(gb)
             elif b_ref is not None:
                 gb = gb.float()
         return gx, gw, gb, None
@@ -139,8 +135,7 @@ class WeightCache:
         if p.dtype == dtype:
             return p
         if torch.is_grad_enabled() and p.requires_grad:
-            with self._lock:  # pick a free buffer and mark it in use (the view) atomically
-                return _CastInto.apply(p, self._buffer(p, ("train", dtype), dtype), self)
+            return _CastInto.apply(p, self._buffer(p, ("train", dtype), dtype), self)
         key = (p._version, p.data_ptr(), p.device, tuple(p.shape))
         with self._lock:
             per = self._per_param(p)
@@ -165,8 +160,7 @@ class WeightCache:
         rows = grad.shape[1]
         if w is None or w.shape != (rows, x.shape[1]) or w.layout != torch.strided:
             return grad.t().mm(x).to(torch.float32 if w is None else w.dtype)
-        with self._lock:  # pick a free buffer and mark it in use (the view) atomically
-            out = self.grad_buffer(w).view_as(w)
+        out = self.grad_buffer(w)
         gt = grad.t()
         if w.numel() <= SCRATCH_NUMEL:  # small: one product; the allocator recycles it
             return out.copy_(gt.mm(x))
@@ -195,12 +189,14 @@ class WeightCache:
             return buf.view_as(buf)
 
     def grad_buffer(self, p: torch.Tensor) -> torch.Tensor:
-        """A persistent buffer for ``p``'s gradient that nothing outside the cache holds."""
+        """A view of a persistent buffer for ``p``'s gradient that nothing else holds."""
         return self._buffer(p, ("grad", p.dtype), p.dtype)
 
     def _buffer(self, p: torch.Tensor, key: tuple, dtype: torch.dtype) -> torch.Tensor:
-        """The buffer stored under ``key`` if no tensor outside the cache shares its storage,
-        else a new one (which replaces it: the old one lives on with its other holders)."""
+        """A view of the buffer stored under ``key`` if no tensor outside the cache shares its
+        storage, else of a new one (which replaces it: the old one lives on with its other
+        holders). The view is made under the lock, so the buffer is marked in use before
+        another thread can pick it."""
         with self._lock:
             per = self._per_param(p)
             entry = per.get(key)
@@ -208,11 +204,11 @@ class WeightCache:
                 buf, alone = entry
                 if buf.shape == p.shape and buf.stride() == p.stride() \
                         and buf.device == p.device and _storage_refs(buf) == alone:
-                    return buf
+                    return buf.view_as(buf)
             with torch.inference_mode(False):  # the param's strides: channels-last stays so
                 buf = torch.empty_strided(p.shape, p.stride(), dtype=dtype, device=p.device)
             per[key] = (buf, _storage_refs(buf))
-            return buf
+            return buf.view_as(buf)
 
     def clear(self) -> None:
         with self._lock:

@@ -31,7 +31,7 @@ from torch import fx
 
 from passes._infra import PassResult
 from passes.fx.casts import CAST, dtype_of, is_amp_cast
-from passes.fx.graph import tensors
+from passes.fx.graph import SHORT_NAMES, tensors
 from passes.policy import FP32, LOW
 
 aten = torch.ops.aten
@@ -79,21 +79,17 @@ def _fuse(gm: fx.GraphModule, norm: fx.Node, low: torch.dtype) -> bool:
         norm.meta["amp_io"] = low
         norm.meta["amp_reason"] = (
             f"{norm.meta.get('amp_reason', '')}; computes in fp32 (statistics, weights) with "
-            f"{_short(low)} input and output: the casts around it are fused into the kernel")
+            f"{SHORT_NAMES[low]} input and output: the casts around it are fused into the kernel")
     for n in (out, *found["chain"]):
         n.meta["amp_dtype"] = low
     for n in found["chain"]:
         n.meta["amp_precision"] = LOW
-        n.meta["amp_reason"] = (f"clear op after {norm.name}, whose {_short(low)} output it "
+        n.meta["amp_reason"] = (f"clear op after {norm.name}, whose {SHORT_NAMES[low]} output it "
                                 "follows (exact: commutes with rounding)")
     for cast in (*found["widen"], *found["narrow"]):  # widen first: narrows may read them
         cast.replace_all_uses_with(cast.args[0])
         gm.graph.erase_node(cast)
     return not refuse or any(found.values())
-
-
-def _short(low: torch.dtype) -> str:
-    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(low, str(low))
 
 
 def _data_output(norm: fx.Node) -> fx.Node | None:

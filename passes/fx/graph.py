@@ -13,6 +13,7 @@ from passes._infra import PassResult
 from passes.paint import COMPUTE, NONFLOAT, SOURCE
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+SHORT_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 CAST_OPS = ("aten.to", "aten._to_copy", "aten.type_as")
 # Nodes that only check the capture (they assert dtypes we are about to change).
 _CHECKS = ("aten._assert_tensor_metadata", "aten._assert_scalar", "aten.sym_constrain_range")
@@ -233,7 +234,8 @@ def build_dataflow(gm: fx.GraphModule) -> nx.DiGraph:
 
 
 def _build_dataflow_unordered(gm: fx.GraphModule) -> nx.DiGraph:
-    """:func:`build_dataflow` for a graph whose nodes are not in dataflow order."""
+    """:func:`build_dataflow` as plain add_node / add_edge calls: the definition the one-walk
+    build follows (tests compare the two), used when nodes are not in dataflow order."""
     g = nx.DiGraph()
     for node in gm.graph.nodes:
         if node.op == "output":

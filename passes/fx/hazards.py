@@ -25,7 +25,7 @@ import torch
 from torch import fx
 
 from passes._infra import ConstantRangeWarning
-from passes.fx.graph import op_key
+from passes.fx.graph import SHORT_NAMES, op_key
 from passes.paint import COMPUTE
 from passes.policy import FP32
 
@@ -125,7 +125,7 @@ def mark_range_hazards(graph: nx.DiGraph, gm: fx.GraphModule, low: torch.dtype) 
         >>> hazards = mark_range_hazards(build_dataflow(gm), gm, torch.float16)
     """
     big, tiny = low_range(low)
-    name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[low]
+    name = SHORT_NAMES[low]
     found: dict[str, str] = {}
 
     def force(node: fx.Node, reason: str) -> None:

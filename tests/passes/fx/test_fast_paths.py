@@ -17,7 +17,12 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import passes.fx.casts as casts
 from passes.fx.casts import annotate, dtype_of, insert_casts
-from passes.fx.graph import build_dataflow, classify, is_float, module_info, op_key, prepare
+from passes.fx.graph import (
+    _build_dataflow_unordered,
+    build_dataflow,
+    op_key,
+    prepare,
+)
 from passes.fx.hazards import mark_range_hazards
 from passes.paint import paint
 from passes.policy import FP32, LOW, make_policy
@@ -92,25 +97,6 @@ def test_fake_runs_grow_with_distinct_signatures_not_with_nodes(monkeypatch):
     assert small == large == ["aten.native_layer_norm"]
 
 
-def reference_dataflow(gm: fx.GraphModule) -> nx.DiGraph:
-    """build_dataflow as add_node / add_edge calls, the definition the fast one follows."""
-    g = nx.DiGraph()
-    for node in gm.graph.nodes:
-        if node.op == "output":
-            continue
-        kind, reason = classify(node)
-        path, classes = module_info(node)
-        g.add_node(node.name, kind=kind, reason=reason, op=op_key(node), module=path,
-                   module_classes=classes)
-    for node in gm.graph.nodes:
-        if node.name not in g:
-            continue
-        for a in node.all_input_nodes:
-            if a.name in g and is_float(a.meta.get("val")):
-                g.add_edge(a.name, node.name)
-    return g
-
-
 def same_graph(a: nx.DiGraph, b: nx.DiGraph) -> None:
     assert list(a.nodes(data=True)) == list(b.nodes(data=True))
     assert list(a.edges) == list(b.edges)
@@ -122,14 +108,14 @@ def test_dataflow_graph_is_what_add_node_add_edge_build(name):
     model, inputs = make(name)
     gm = torch.export.export(model.eval(), inputs, strict=False).module()
     prepare(gm)
-    same_graph(build_dataflow(gm), reference_dataflow(gm))
+    same_graph(build_dataflow(gm), _build_dataflow_unordered(gm))
 
 
 def test_dataflow_graph_of_nodes_out_of_dataflow_order():
     gm = blocks(2)
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
     nodes[0].prepend(nodes[3])  # a consumer moved before its producers (lint would object)
-    same_graph(build_dataflow(gm), reference_dataflow(gm))
+    same_graph(build_dataflow(gm), _build_dataflow_unordered(gm))
 
 
 def clear_chain(order):
