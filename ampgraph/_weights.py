@@ -5,18 +5,22 @@ The graph's parameter casts call :meth:`WeightCache.cast` instead of ``aten._to_
 - without gradients (inference) a copy is made once and reused until the master changes
   (its version counter, data pointer, device or shape), so repeated inference casts each
   weight once instead of every call;
-- with gradients (training) the cast writes into a persistent buffer per weight instead of
-  a fresh allocation, which on CPU costs page faults every step; a buffer still referenced
-  by a live autograd graph (two forwards before one backward) is never overwritten, a new
-  one is made. The cast's backward hands fp32 gradients to the master, likewise converted
-  into a persistent buffer: autograd adopts it as ``param.grad`` (no copy), and it is
-  written again only once nothing but the cache holds it (after ``zero_grad()``), so a
-  gradient the user kept is never overwritten.
+- with gradients (training) the cast writes into a persistent buffer per weight (dropping
+  the inference copy, which the next update makes stale) instead of a fresh allocation,
+  which on CPU costs page faults every step; a buffer still referenced by a live autograd
+  graph (two forwards before one backward) is never overwritten, a new one is made. The
+  cast's backward hands fp32 gradients to the master, likewise converted into a
+  persistent buffer: autograd adopts it as ``param.grad`` (no copy), and it is written
+  again only once nothing but the cache holds it (after ``zero_grad()``), so a gradient
+  the user kept is never overwritten.
 
 Linear layers whose weight is cast for them alone call :meth:`WeightCache.amp_linear`: the
 cast, the linear and the conversion of its weight gradient in one autograd function, which
 writes the gradient block by block into the master's gradient buffer, so a training step
-allocates no weight-sized tensor (fresh large allocations cost page faults on CPU).
+allocates no weight-sized tensor (fresh large allocations cost page faults on CPU). A large
+weight is also cast block by block, in forward and again in backward, so no whole
+low-precision copy of it is kept: an O2 step then needs less memory than autocast, which
+keeps its casts from forward until backward.
 
 Weights changed through ``.data`` bypass version counters: call
 ``AmpModule.clear_weight_cache()`` after such an update.
@@ -60,7 +64,15 @@ class _Linear(torch.autograd.Function):
     """``linear(x, low(w_master), low(b_master))`` with the casts and the conversion of the
     gradients fused in (a bias already in ``x``'s dtype is used as it is).
 
-    Forward casts the fp32 master into its persistent working copy and runs ``aten.linear``.
+    A weight of at most ``SCRATCH_NUMEL`` elements is cast into its persistent working copy,
+    which ``aten.linear`` uses and backward keeps. A larger one never exists in the low
+    dtype as a whole (what an O2 step would otherwise keep beyond autocast's peak): forward
+    casts it block of rows by block of rows into a small pooled scratch, each block feeding
+    the columns of the output it makes; backward saves the fp32 master itself (so autograd
+    checks it is unchanged, as for an fp32 linear) and casts it again, block of columns by
+    block of columns, for ``grad_out @ w``. The values are the same as ``aten.linear`` on the
+    whole cast weight: every output element is one full-length dot product either way.
+
     Backward computes ``grad_out.T @ input`` in the low dtype, as aten's linear backward
     does, but block of rows by block of rows into a small reused scratch that is converted
     straight into the master's gradient buffer: a step allocates no weight-sized tensor
@@ -71,15 +83,17 @@ class _Linear(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
                 cache: WeightCache) -> torch.Tensor:
         cast_bias = b is not None and b.dtype != x.dtype  # an fp32 master bias: cast here too
-        wl = cache._buffer(w, ("train", x.dtype), x.dtype)
-        bl = cache._buffer(b, ("train", x.dtype), x.dtype) if cast_bias else b
-        wl.copy_(w)
-        if cast_bias:
-            bl.copy_(b)
-        ctx.save_for_backward(x, wl)
+        bl = cache._buffer(b, ("train", x.dtype), x.dtype).copy_(b) if cast_bias else b
         ctx.refs = (weakref.ref(w), weakref.ref(b) if cast_bias else None)
         ctx.cache = cache
         ctx.has_bias = b is not None
+        ctx.blocked = _blockable(x, w)
+        if ctx.blocked:
+            cache.drop_inference_copy(w, x.dtype)
+            ctx.save_for_backward(x, w)
+            return cache.blocked_linear(x, w, bl)
+        wl = cache._buffer(w, ("train", x.dtype), x.dtype).copy_(w)
+        ctx.save_for_backward(x, wl)
         return torch.ops.aten.linear.default(x, wl, bl)
 
     @staticmethod
@@ -87,9 +101,12 @@ class _Linear(torch.autograd.Function):
         x, wl = ctx.saved_tensors
         need_x, need_w, need_b, _ = ctx.needs_input_grad
         gx = gw = gb = None
-        if need_x:
-            gx = grad.matmul(wl)
         grad2 = grad.reshape(-1, grad.shape[-1])
+        if need_x:
+            if ctx.blocked:  # wl is the fp32 master
+                gx = ctx.cache.blocked_grad_input(grad2, wl).view(*grad.shape[:-1], -1)
+            else:
+                gx = grad.matmul(wl)
         w_ref, b_ref = ctx.refs
         if need_w:
             gw = ctx.cache.linear_weight_grad(w_ref(), grad2, x.reshape(-1, x.shape[-1]))
@@ -101,6 +118,14 @@ class _Linear(torch.autograd.Function):
             elif b_ref is not None:
                 gb = gb.float()
         return gx, gw, gb, None
+
+
+def _blockable(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether :class:`_Linear` runs ``w`` in blocks: a large plain 2-D weight, an input
+    with a batch dimension on the same device."""
+    return (w.numel() > SCRATCH_NUMEL and w.dim() == 2 and x.dim() >= 2
+            and w.layout == torch.strided and x.layout == torch.strided
+            and w.device == x.device)
 
 
 SCRATCH_NUMEL = 1 << 20  # elements of low-precision weight gradient computed per block
@@ -154,6 +179,36 @@ class WeightCache:
         b = self.cast(b, x.dtype) if b is not None else None
         return torch.ops.aten.linear.default(x, self.cast(w, x.dtype), b)
 
+    def blocked_linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
+                       ) -> torch.Tensor:
+        """``aten.linear(x, w.to(x.dtype), b)`` casting ``w`` a block of rows at a time."""
+        x2 = x.reshape(-1, x.shape[-1])
+        rows, cols = w.shape
+        out = torch.empty(x2.shape[0], rows, dtype=x.dtype, device=x.device)
+        step = max(1, SCRATCH_NUMEL // cols)
+        scratch = self._pooled((step, cols), x.dtype, x.device)
+        for r in range(0, rows, step):
+            n = min(step, rows - r)
+            block = scratch[:n].copy_(w[r:r + n])
+            if b is None:
+                torch.mm(x2, block.t(), out=out[:, r:r + n])
+            else:
+                torch.addmm(b[r:r + n], x2, block.t(), out=out[:, r:r + n])
+        return out.view(*x.shape[:-1], rows)
+
+    def blocked_grad_input(self, grad: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """``grad @ w.to(grad.dtype)`` casting ``w`` a block of columns at a time."""
+        rows, cols = w.shape
+        out = torch.empty(grad.shape[0], cols, dtype=grad.dtype, device=grad.device)
+        step = max(1, SCRATCH_NUMEL // rows)
+        scratch = self._pooled((rows, step), grad.dtype, grad.device)
+        for c in range(0, cols, step):
+            n = min(step, cols - c)
+            block = scratch[:, :n]
+            block.copy_(w[:, c:c + n])
+            torch.mm(grad, block, out=out[:, c:c + n])
+        return out
+
     def linear_weight_grad(self, w: torch.Tensor | None, grad: torch.Tensor,
                            x: torch.Tensor) -> torch.Tensor:
         """``(grad.T @ x).to(w.dtype)`` into ``w``'s gradient buffer, in row blocks."""
@@ -199,6 +254,8 @@ class WeightCache:
         another thread can pick it."""
         with self._lock:
             per = self._per_param(p)
+            if key[0] == "train":
+                per.pop(("infer", dtype), None)  # stale after the next update anyway
             entry = per.get(key)
             if entry is not None:
                 buf, alone = entry
@@ -209,6 +266,11 @@ class WeightCache:
                 buf = torch.empty_strided(p.shape, p.stride(), dtype=dtype, device=p.device)
             per[key] = (buf, _storage_refs(buf))
             return buf.view_as(buf)
+
+    def drop_inference_copy(self, p: torch.Tensor, dtype: torch.dtype) -> None:
+        """Forget ``p``'s inference copy: training changes ``p``, so it would be made again."""
+        with self._lock:
+            self._per_param(p).pop(("infer", dtype), None)
 
     def clear(self) -> None:
         with self._lock:

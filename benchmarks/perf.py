@@ -142,8 +142,9 @@ def time_interleaved(modes: list[Mode], what: str, steps: int, warmup: int) -> d
             for k, v in times.items()}
 
 
-def peak_memory(args: argparse.Namespace, model_name: str, mode: str) -> float | None:
-    """MiB a training step adds at its peak (CUDA allocator, or CPU peak RSS growth)."""
+def peak_memory(args: argparse.Namespace, model_name: str, mode: str) -> dict | None:
+    """MiB a training step adds at its peak: CUDA allocator, or on CPU the peak of live
+    tensors and of RSS (see ``memory_probe``)."""
     if args.device == "cuda":
         model, inputs = build(model_name, args.smoke, "cuda", args.batch_scale)
         m = Mode(mode, model, inputs, args.low, "cuda")
@@ -154,14 +155,18 @@ def peak_memory(args: argparse.Namespace, model_name: str, mode: str) -> float |
         for _ in range(2):
             m.train_step()
         torch.cuda.synchronize()
-        return (torch.cuda.max_memory_allocated() - base) / 2**20
-    cmd = [sys.executable, os.path.abspath(__file__), "--memory-probe", f"{model_name}:{mode}",
-           "--dtype", args.dtype] + (["--smoke"] if args.smoke else [])
-    out = subprocess.run(cmd, capture_output=True, text=True)
-    try:
-        return float(out.stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        return None
+        return {"tensors": (torch.cuda.max_memory_allocated() - base) / 2**20}
+    result = {}
+    for measure in ("tensors", "rss"):
+        cmd = [sys.executable, os.path.abspath(__file__), "--memory-probe",
+               f"{model_name}:{mode}:{measure}", "--dtype", args.dtype] + (
+                   ["--smoke"] if args.smoke else [])
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        try:
+            result[measure] = float(out.stdout.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            pass
+    return result or None
 
 
 def _status_kib(field: str) -> int:
@@ -175,15 +180,22 @@ def _status_kib(field: str) -> int:
 
 
 def memory_probe(args: argparse.Namespace) -> None:
-    """Peak RSS of steady-state training steps above a baseline every mode shares.
+    """Peak memory of steady-state training steps above a baseline every mode shares.
 
     Baseline: torch.export and friends imported (a tiny model compiled and stepped), the
-    model built and its optimizer state allocated. Then two warm-up steps (capture), the
-    peak-RSS counter is reset (Linux: ``clear_refs`` 5) so one-off capture work is left
-    out, and three steps run. What a mode keeps between steps (working copies, gradient
-    buffers) stays resident, so it is counted.
+    model built and its optimizer state allocated, no gradients. Then two warm-up steps
+    (capture) and three measured steps. One of two measures (each probe is a fresh process:
+    the profiler's own buffers would inflate the RSS):
+
+    - ``rss``: peak RSS of the measured steps above the baseline's RSS (the peak counter is
+      reset after warm-up, Linux ``clear_refs`` 5). What the process really uses, but the
+      allocator's caching makes repeated probes differ by up to ~15 MiB.
+    - ``tensors``: peak bytes of live tensors during the measured steps above the baseline,
+      from the profiler's allocation events (started at the baseline, so what a mode keeps
+      between steps, working copies and gradient buffers, counts). Deterministic: the CPU
+      counterpart of CUDA's ``max_memory_allocated``.
     """
-    model_name, mode = args.memory_probe.split(":")
+    model_name, mode, measure = args.memory_probe.split(":")
     tiny, tiny_inputs = build(model_name, True, "cpu")
     Mode(mode, tiny, tiny_inputs, args.low, "cpu").train_step()
     model, inputs = build(model_name, args.smoke, "cpu")
@@ -193,14 +205,31 @@ def memory_probe(args: argparse.Namespace) -> None:
     m.opt.step()
     m.opt.zero_grad(set_to_none=True)
     gc.collect()
-    base = _status_kib("VmRSS")
-    for _ in range(2):
-        m.train_step()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    for _ in range(3):
-        m.train_step()
-    print((_status_kib("VmHWM") - base) / 1024)
+    if measure == "rss":
+        base = _status_kib("VmRSS")
+        for _ in range(2):
+            m.train_step()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        for _ in range(3):
+            m.train_step()
+        print((_status_kib("VmHWM") - base) / 1024)
+        return
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                profile_memory=True) as prof:
+        for _ in range(2):
+            m.train_step()
+        t_measured = time.time_ns()
+        for _ in range(3):
+            m.train_step()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]")
+    live = peak = 0
+    for t, n in events:
+        live += n
+        if t >= t_measured:
+            peak = max(peak, live)
+    print(peak / 2**20)
 
 
 def compile_timing(args: argparse.Namespace) -> dict:
@@ -281,16 +310,17 @@ def print_table(name: str, entry: dict, modes: list[str]) -> None:
     tr, inf = entry["train"], entry["infer"]
     print(f"\n{name}: median ms (min-max); ratios vs autocast (>1 = faster) and vs floor")
     print(f"{'mode':12}{'train':>22}{'x autocast':>11}{'/ floor':>9}{'infer':>22}"
-          f"{'x autocast':>11}{'peak MiB':>10}")
+          f"{'x autocast':>11}{'tensor MiB':>11}{'RSS MiB':>9}")
     for m in modes:
         t, i = tr[m], inf[m]
-        mem = entry.get("peak_mib", {}).get(m)
+        mem = entry.get("peak_mib", {}).get(m) or {}
         print(f"{m:12}{t['median_ms']:9.1f} ({t['min_ms']:5.1f}-{t['max_ms']:5.1f})"
               f"{tr['autocast']['median_ms'] / t['median_ms']:11.2f}"
               f"{t['median_ms'] / tr['floor']['median_ms']:9.2f}"
               f"{i['median_ms']:9.1f} ({i['min_ms']:5.1f}-{i['max_ms']:5.1f})"
               f"{inf['autocast']['median_ms'] / i['median_ms']:11.2f}"
-              f"{'' if mem is None else f'{mem:10.0f}'}")
+              + "".join(f"{mem[k]:{w}.0f}" if k in mem else " " * w
+                        for k, w in (("tensors", 11), ("rss", 9))))
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ def test_perf_harness_smoke_mode_writes_every_mode(tmp_path):
         assert set(entry["train"]) == {"fp32", "autocast", "O2", "floor"}
         assert all(v["median_ms"] > 0 for v in entry["infer"].values())
         assert set(entry["peak_mib"]) == {"fp32", "autocast", "O2", "floor"}
+        assert all(v["tensors"] > 0 and "rss" in v for v in entry["peak_mib"].values())
     assert "x autocast" in proc.stdout
 
 

@@ -60,8 +60,11 @@ def test_routed_linears_give_the_same_outputs_and_gradients_as_aten_linear(block
         for (name, p), q in zip(fused.named_parameters(), plain.parameters()):
             assert p.grad.dtype == torch.float32
             torch.testing.assert_close(p.grad, q.grad, msg=name)  # same bf16 roundings
-        if block is not None:
-            assert {k[0] for k in cache._scratch} == {(2, 16), (1, 32)}
+        if block is not None:  # blocks of rows (forward, weight gradient), of columns (dx)
+            assert {k[0] for k in cache._scratch} == {(2, 16), (32, 1), (1, 32), (8, 5)}
+            assert not any(key[0] == "train" and t.shape == (32, 16)
+                           for _, per in cache._slots.values() for key, (t, _) in per.items()), \
+                "a blocked weight has no whole working copy"
 
 
 def test_gradient_buffers_and_scratch_are_reused_across_steps(monkeypatch):
@@ -94,3 +97,62 @@ def test_two_forwards_then_one_backward_with_routed_linears():
     (ref(x1).square().sum() + ref(x2).square().sum()).backward()
     for p, q in zip(gm.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_blocked_linear_checks_the_master_is_unchanged_before_backward(monkeypatch):
+    import ampgraph._weights as weights
+
+    monkeypatch.setattr(weights, "SCRATCH_NUMEL", 40)
+    model = Net()
+    x = torch.randn(3, 16)
+    gm, _ = compiled(model, x, True)
+    loss = gm(x).square().sum()
+    with torch.no_grad():
+        model.fc1.weight.add_(1.0)  # an update between forward and backward, as for fp32
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_a_large_linear_keeps_no_whole_low_precision_copy_of_its_weight():
+    """Peak live tensors of a steady-state step, counted from before the first step (so
+    buffers kept between steps count): the fp32 gradient plus less than a bf16 copy."""
+    import time
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1024, 2048), nn.ReLU(), nn.Linear(2048, 8))
+    x = torch.randn(8, 1024)
+    gm, _ = compiled(model, x, True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                profile_memory=True) as prof:
+        for step in range(3):
+            if step == 2:
+                t_last = time.time_ns()
+            model.zero_grad(set_to_none=True)  # the cache keeps the gradient buffers
+            gm(x).square().mean().backward()
+    live = peak = 0
+    for t, n in sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                       if e.name() == "[memory]"):
+        live += n
+        if t >= t_last:
+            peak = max(peak, live)
+    grad_bytes = sum(p.numel() * 4 for p in model.parameters())
+    weight_low_bytes = 2048 * 1024 * 2
+    assert grad_bytes < peak < grad_bytes + weight_low_bytes, (peak, grad_bytes)
+
+
+def test_training_drops_the_inference_copies(monkeypatch):
+    import ampgraph._weights as weights
+
+    monkeypatch.setattr(weights, "SCRATCH_NUMEL", 40)  # fc1/fc3 blocked, fc2 cast whole
+    model = Net()
+    x = torch.randn(3, 16)
+    gm, cache = compiled(model, x, True)
+    with torch.no_grad():
+        gm(x)
+
+    def kinds():
+        return sorted(key[0] for _, per in cache._slots.values() for key in per)
+
+    assert kinds().count("infer") == 6  # every weight and bias
+    gm(x).sum().backward()
+    assert "infer" not in kinds()
