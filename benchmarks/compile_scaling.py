@@ -13,15 +13,18 @@ are those passes alone. The pipeline then regenerates ``gm.forward`` once
 (``gm.recompile()``, torch.fx code generation): timed separately as ``recompile``, and
 included in ``total_with_recompile_s``/``us_per_node_with_recompile``.
 
-Each size starts from a collected heap (``gc.collect()`` after tracing), the garbage
-collector stays on while timing: ``gc_full`` counts the full collections that fell inside
-the passes and ``gc_full_s`` their seconds (part of the pass times: at 50k nodes one full
-collection of the ~900k-object heap of fake tensors costs ~0.8 s).
+Each size starts from a collected heap (``gc.collect()`` after tracing). As in
+``run_amp_passes``, the cyclic garbage collector is paused while the passes and the
+recompile run (``passes.fx.pipeline.gc_paused``); ``--gc`` keeps it on instead, as the
+passes ran before: ``gc_full`` counts the full collections that fell inside the passes and
+``gc_full_s`` their seconds (part of the pass times: at 50k nodes one full collection of
+the ~900k-object heap of fake tensors costs ~0.8 s).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -36,6 +39,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from passes.fx.casts import annotate, count_casts, fold_casts, insert_casts  # noqa: E402
 from passes.fx.graph import build_dataflow, prepare  # noqa: E402
 from passes.fx.hazards import mark_range_hazards  # noqa: E402
+from passes.fx.pipeline import gc_paused  # noqa: E402
 from passes.fx.verify import verify  # noqa: E402
 from passes.paint import paint  # noqa: E402
 from passes.policy import make_policy  # noqa: E402
@@ -75,39 +79,41 @@ class _FullCollections:
 
 
 def time_passes(gm: torch.fx.GraphModule, level: str = "O2",
-                low: torch.dtype = torch.bfloat16, watch: _FullCollections | None = None
-                ) -> dict:
+                low: torch.dtype = torch.bfloat16, watch: _FullCollections | None = None,
+                pause_gc: bool = True) -> dict:
     """Seconds per pass (the pipeline's order), plus the final ``recompile``. ``watch``
-    counts full collections during the passes (it stops before the recompile)."""
-    policy = make_policy(level)
-    t = {}
-    t0 = time.perf_counter()
-    prepare(gm)
-    t["prepare"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    graph = build_dataflow(gm)
-    t["build_dataflow"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    if policy.level != "O0":
-        mark_range_hazards(graph, gm, low)
-    t["hazards"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    decisions = paint(graph, policy)
-    t["paint"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    annotate(gm, decisions)
-    insert_casts(gm, low, recompile=False)
-    t["insert_casts"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    fold_casts(gm, recompile=False)
-    verify(gm, low)
-    count_casts(gm)
-    t["fold+verify"] = time.perf_counter() - t0
-    if watch is not None:
-        watch.active = False
-    t0 = time.perf_counter()
-    gm.recompile()
-    t["recompile"] = time.perf_counter() - t0
+    counts full collections during the passes (it stops before the recompile);
+    ``pause_gc``: the collector is off meanwhile, as in ``run_amp_passes``."""
+    with gc_paused() if pause_gc else contextlib.nullcontext():
+        policy = make_policy(level)
+        t = {}
+        t0 = time.perf_counter()
+        prepare(gm, recompile=False)
+        t["prepare"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        graph = build_dataflow(gm)
+        t["build_dataflow"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        if policy.level != "O0":
+            mark_range_hazards(graph, gm, low)
+        t["hazards"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        decisions = paint(graph, policy)
+        t["paint"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        annotate(gm, decisions)
+        insert_casts(gm, low, recompile=False)
+        t["insert_casts"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        fold_casts(gm, recompile=False)
+        verify(gm, low)
+        count_casts(gm)
+        t["fold+verify"] = time.perf_counter() - t0
+        if watch is not None:
+            watch.active = False
+        t0 = time.perf_counter()
+        gm.recompile()
+        t["recompile"] = time.perf_counter() - t0
     return t
 
 
@@ -116,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", default="1000,10000,50000")
     p.add_argument("--level", default="O2", choices=("O0", "O1", "O2", "O3"))
     p.add_argument("--json", default="bench_results/compile_scaling.json")
+    p.add_argument("--gc", action="store_true",
+                   help="keep the garbage collector on while timing (run_amp_passes pauses it)")
     args = p.parse_args(argv)
     rows = []
     print(f"{'nodes':>8}{'passes s':>10}{'us/node':>10}{'+recompile':>12}{'us/node':>10}"
@@ -127,12 +135,13 @@ def main(argv: list[str] | None = None) -> int:
         full = _FullCollections()
         gc.callbacks.append(full)
         try:
-            t = time_passes(gm, args.level, watch=full)
+            t = time_passes(gm, args.level, watch=full, pause_gc=not args.gc)
         finally:
             gc.callbacks.remove(full)
         total = sum(v for k, v in t.items() if k != "recompile")
         with_recompile = total + t["recompile"]
-        rows.append({"nodes": n, "level": args.level, "total_s": total,
+        rows.append({"nodes": n, "level": args.level, "gc_paused": not args.gc,
+                     "total_s": total,
                      "us_per_node": 1e6 * total / n,
                      "total_with_recompile_s": with_recompile,
                      "us_per_node_with_recompile": 1e6 * with_recompile / n, **t,

@@ -144,21 +144,22 @@ class _Rules:
         self._targets: dict[int, tuple] = {}
         self._shared: dict[tuple, _Rule] = {}
 
-    def _target(self, node: fx.Node) -> tuple[bool, bool, tuple[int, ...], tuple[int, ...]]:
-        target = node.target
-        hit = self._targets.get(id(target))  # by id: some targets hash slowly
-        if hit is None or hit[0] is not target:
-            key = op_key(node)
-            hit = self._targets[id(target)] = (
-                target, key == "getitem", _is_cast_key(key), mutated_slots(node),
-                fixed_slots(key))
-        return hit[1:]
+    def _target(self, node: fx.Node) -> tuple:
+        """(target, getitem, a cast op, written positions, fixed positions), stored."""
+        target, key = node.target, op_key(node)
+        hit = self._targets[id(target)] = (  # by id: some targets hash slowly
+            target, key == "getitem", _is_cast_key(key), mutated_slots(node), fixed_slots(key))
+        return hit
 
     def of(self, node: fx.Node) -> _Rule:
         meta = node.meta
         if meta.get("amp_inserted"):
             return _KEEP_ALL
-        getitem, cast_op, mutated, fixed = self._target(node)
+        target = node.target
+        hit = self._targets.get(id(target))
+        if hit is None or hit[0] is not target:
+            hit = self._target(node)
+        _, getitem, cast_op, mutated, fixed = hit
         if getitem or (cast_op and explicit_cast_dtype(node) is not None):
             return _KEEP_ALL
         if mutated:
@@ -271,7 +272,9 @@ class _Caster:
         if reason is None:
             reason = self._reasons[(src_dtype, dtype)] = f"cast {src_dtype} -> {dtype}"
         meta = cast.meta
-        meta.update(amp_cast=True, amp_precision="n/a", amp_reason=reason)
+        meta["amp_cast"] = True
+        meta["amp_precision"] = "n/a"
+        meta["amp_reason"] = reason
         if "nn_module_stack" in src_meta:
             meta["nn_module_stack"] = src_meta["nn_module_stack"]
         meta["val"] = src_meta.get("val")  # shapes; the dtype is amp_dtype
@@ -370,7 +373,10 @@ def insert_casts(
     for node in nodes:
         meta = node.meta
         if "amp_dtype" not in meta:  # record every node's dtype before any rewrite
-            _set_dtype(node, dtype_of(node))
+            val = meta.get("val")
+            dtype = val.dtype if isinstance(val, torch.Tensor) else dtype_of(node)
+            if dtype is not None:
+                meta["amp_dtype"] = dtype
     for node in nodes:
         op = node.op
         if op != "call_function":
@@ -388,7 +394,7 @@ def insert_casts(
             replace: dict[tuple[Any, fx.Node], fx.Node] | None = None
             want_of = rule.want
             for slot, arg in _slots(node):
-                have = dtype_of(arg)
+                have = arg.meta.get("amp_dtype")  # dtype_of(arg): every dtype is recorded
                 if have in FLOATS:
                     want = want_of(slot, arg)
                     if want is not KEEP and have != want:
@@ -447,8 +453,10 @@ def _detect_fake_mode(nodes: list[fx.Node]) -> Any:
 def _rewire(node: fx.Node, replace: Mapping) -> None:
     """Swap the inputs named in ``replace`` ((slot, old) -> new) in ``node``.
 
-    Only the part (args or kwargs) that changes is assigned: assigning either one re-links
-    all of the node's inputs, so one assignment leaves the graph as assigning both would.
+    Only the part (args or kwargs) that changes is rebuilt. The node's inputs are re-linked
+    once by ``Node._update_args_kwargs``, which is what assigning ``node.args`` does, less
+    ``Node.__setattr__``'s re-filing of the node in the graph's find_nodes table (its op and
+    target do not change; ``Node.replace_input_with`` does not re-file either).
     """
     in_args = in_kwargs = False
     for slot, _ in replace:
@@ -456,12 +464,20 @@ def _rewire(node: fx.Node, replace: Mapping) -> None:
             in_kwargs = True
         else:
             in_args = True
+    args, kwargs = node.args, node.kwargs
     if in_args:
-        node.args = tuple(
+        args = tuple(
             replace.get((i, a), a) if isinstance(a, fx.Node) else _swap(a, i, replace)
-            for i, a in enumerate(node.args))
+            for i, a in enumerate(args))
     if in_kwargs:
-        node.kwargs = {k: _swap(a, k, replace) for k, a in node.kwargs.items()}
+        kwargs = {k: _swap(a, k, replace) for k, a in kwargs.items()}
+    if _UPDATE_ARGS:
+        node._update_args_kwargs(args, kwargs)
+    else:
+        node.args, node.kwargs = args, kwargs
+
+
+_UPDATE_ARGS = hasattr(fx.Node, "_update_args_kwargs")
 
 
 def _swap(value: Any, slot: Any, replace: Mapping) -> Any:
@@ -638,7 +654,7 @@ class _DtypeTracker:
         dtypes = cache.get(node)  # only nodes with amp_orig_val or casts are cached
         if dtypes is None or node.meta.get("amp_cast"):
             dtypes = floats_of(node, True)
-        for a in node.all_input_nodes:
+        for a in node._input_nodes:  # all_input_nodes without its copy: a dict, same order
             more = cache.get(a)
             if more is None:
                 more = floats_of(a, False)

@@ -20,9 +20,10 @@ _CHECKS = ("aten._assert_tensor_metadata", "aten._assert_scalar", "aten.sym_cons
 
 
 _OPS = (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
-# id(op) -> (op, policy key, is a cast op), for torch ops only: they live as long as the
-# process (torch.ops interns them), so holding one costs nothing and keeps its id unique.
-# Other targets (a runtime's bound method holding weights ...) are never held.
+# id(op) -> (op, policy key, is a cast op), for torch ops and operator.getitem only: they
+# live as long as the process (torch.ops interns them), so holding one costs nothing and
+# keeps its id unique. Other targets (a runtime's bound method holding weights ...) are
+# never held.
 _OP_KEYS: dict[int, tuple[Any, str, bool]] = {}
 
 
@@ -43,7 +44,7 @@ def _target_info(t: Any) -> tuple[Any, str, bool]:
     if hit is None or hit[0] is not t:
         key = t if type(t) is str else _target_key(t)
         hit = (t, key, key.startswith(CAST_OPS))
-        if isinstance(t, _OPS):
+        if isinstance(t, _OPS) or t is operator.getitem:
             _OP_KEYS[id(t)] = hit
     return hit
 
@@ -60,9 +61,14 @@ def tensors(value: Any) -> list[torch.Tensor]:
     """Tensors in a meta value (a tensor, or a tuple/list of them)."""
     if isinstance(value, torch.Tensor):
         return [value]
+    out: list[torch.Tensor] = []
     if isinstance(value, (tuple, list)):
-        return [t for v in value for t in tensors(v)]
-    return []
+        for v in value:
+            if isinstance(v, torch.Tensor):  # the common case, without a call
+                out.append(v)
+            else:
+                out += tensors(v)
+    return out
 
 
 def is_float(value: Any) -> bool:
@@ -174,7 +180,11 @@ def build_dataflow(gm: fx.GraphModule) -> nx.DiGraph:
         else:
             is_fl, has_fp64 = is_float(val), _has_fp64(val)
         floats[node] = is_fl
-        inputs = node.all_input_nodes
+        inputs = node._input_nodes  # all_input_nodes without its copy: a dict, same order
+        target = node.target
+        hit = _OP_KEYS.get(id(target))
+        if hit is None or hit[0] is not target:
+            hit = _target_info(target)
         # classify(node), from the float checks above
         if op == "placeholder":
             kind, reason = ((SOURCE, "graph input: cast on use") if is_fl
@@ -192,7 +202,7 @@ def build_dataflow(gm: fx.GraphModule) -> nx.DiGraph:
         elif not is_fl:
             kind, reason = NONFLOAT, "no floating-point output"
         else:
-            cast = explicit_cast_dtype(node)
+            cast = explicit_cast_dtype(node) if hit[2] else None
             if cast is not None:
                 kind, reason = SOURCE, f"explicit cast to {cast} in the model: kept"
             else:
@@ -208,15 +218,12 @@ def build_dataflow(gm: fx.GraphModule) -> nx.DiGraph:
         if not stack:
             path, classes = "", ()
         else:
-            hit = modules.get(id(stack))
-            if hit is None or hit[0] is not stack:
-                hit = modules[id(stack)] = (stack, module_info(node))
-            path, classes = hit[1]
+            info = modules.get(id(stack))
+            if info is None or info[0] is not stack:
+                info = modules[id(stack)] = (stack, module_info(node))
+            path, classes = info[1]
         name = node.name
-        target = node.target
-        hit = _OP_KEYS.get(id(target))
-        key = hit[1] if hit is not None and hit[0] is target else op_key(node)
-        attrs[name] = {"kind": kind, "reason": reason, "op": key, "module": path,
+        attrs[name] = {"kind": kind, "reason": reason, "op": hit[1], "module": path,
                        "module_classes": classes}
         succ[name] = {}
         into = pred[name] = {}
@@ -253,12 +260,15 @@ def _build_dataflow_unordered(gm: fx.GraphModule) -> nx.DiGraph:
     return g
 
 
-def prepare(gm: fx.GraphModule) -> PassResult:
+def prepare(gm: fx.GraphModule, recompile: bool = True) -> PassResult:
     """Drop capture-time checks and make in-place activation ops functional.
 
     ``relu_(x)`` on an activation becomes ``relu(x)`` with later readers of ``x`` moved
     to the result, so the op can take a cast input. In-place ops on graph inputs,
     buffers or views keep their semantics and run in their operand's dtype.
+
+    ``recompile``: lint the graph and regenerate ``gm.forward`` when it changed (a pipeline
+    does both once at its end: ``verify`` lints).
     """
     modified = False
     graph = gm.graph
@@ -284,7 +294,7 @@ def prepare(gm: fx.GraphModule) -> PassResult:
         for u in later:
             u.replace_input_with(target, node)
         modified = True
-    if modified:
+    if modified and recompile:
         graph.lint()
         gm.recompile()
     return PassResult(gm, modified)

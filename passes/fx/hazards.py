@@ -76,14 +76,17 @@ def _out_of_range(v: Any, big: float, tiny: float) -> bool:
 def _scalars(node: fx.Node, big: float, tiny: float) -> list[float]:
     out: list[float] = []
     for a in node.args:
-        if not isinstance(a, fx.Node):  # the common case: an input, no constant
+        if isinstance(a, _WALKED):  # the common case: an input or an int, nothing to walk
             _walk(a, big, tiny, out)
     for a in node.kwargs.values():
-        if not isinstance(a, fx.Node):
+        if isinstance(a, _WALKED):
             _walk(a, big, tiny, out)
     if out and _packet(node) in FP32_ACCUMULATING:
         return []
     return out
+
+
+_WALKED = (float, list, tuple)  # what _walk looks into
 
 
 def _walk(a: Any, big: float, tiny: float, out: list[float]) -> None:

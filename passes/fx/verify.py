@@ -29,7 +29,8 @@ def verify(gm: fx.GraphModule, low: torch.dtype) -> PassResult:
             continue
         want_of = rule.want
         for slot, arg in _slots(node):
-            have = dtype_of(arg)
+            meta = arg.meta
+            have = meta["amp_dtype"] if "amp_dtype" in meta else dtype_of(arg)
             if have is None:
                 continue
             want = want_of(slot, arg)
