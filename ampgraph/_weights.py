@@ -120,12 +120,44 @@ class _Linear(torch.autograd.Function):
         return gx, gw, gb, None
 
 
+class _Embedding(torch.autograd.Function):
+    """``aten.embedding(w, ids, padding_idx)`` whose backward sums the rows' gradients into
+    ``w``'s persistent gradient buffer (zeroed first) instead of a fresh table-sized tensor
+    (``index_add_``, as aten's CPU embedding backward: the same sums in the same order)."""
+
+    @staticmethod
+    def forward(ctx: Any, w: torch.Tensor, ids: torch.Tensor, padding_idx: int,
+                cache: WeightCache) -> torch.Tensor:
+        ctx.save_for_backward(ids)
+        ctx.w_ref = weakref.ref(w)
+        ctx.padding_idx = padding_idx
+        ctx.cache = cache
+        ctx.table = (w.shape, w.dtype)
+        return torch.ops.aten.embedding.default(w, ids, padding_idx)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        (ids,) = ctx.saved_tensors
+        w = ctx.w_ref()
+        shape, dtype = ctx.table
+        flat = ids.reshape(-1)
+        rows = grad.reshape(-1, grad.shape[-1])
+        if ctx.padding_idx >= 0:  # the padding row gets no gradient
+            rows = rows.masked_fill((flat == ctx.padding_idx).unsqueeze(1), 0)
+        if w is not None and w.shape == shape and w.layout == torch.strided:
+            out = ctx.cache.grad_buffer(w).zero_()
+        else:
+            out = torch.zeros(shape, dtype=dtype, device=grad.device)
+        return out.index_add_(0, flat, rows.to(dtype)), None, None, None
+
+
 def _blockable(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether :class:`_Linear` runs ``w`` in blocks: a large plain 2-D weight, an input
-    with a batch dimension on the same device."""
+    with a batch dimension, both on the CPU (where fresh or extra weight-sized memory costs
+    page faults; a GPU runs one large product faster than many small ones)."""
     return (w.numel() > SCRATCH_NUMEL and w.dim() == 2 and x.dim() >= 2
             and w.layout == torch.strided and x.layout == torch.strided
-            and w.device == x.device)
+            and w.device.type == "cpu" and x.device.type == "cpu")
 
 
 SCRATCH_NUMEL = 1 << 20  # elements of low-precision weight gradient computed per block
@@ -179,6 +211,16 @@ class WeightCache:
         b = self.cast(b, x.dtype) if b is not None else None
         return torch.ops.aten.linear.default(x, self.cast(w, x.dtype), b)
 
+    def amp_embedding(self, w: torch.Tensor, ids: torch.Tensor, padding_idx: int = -1
+                      ) -> torch.Tensor:
+        """``aten.embedding(w, ids, padding_idx)``; when training on CPU, the table's
+        gradient goes into its persistent buffer (see :class:`_Embedding`): a fresh
+        table-sized tensor every step costs page faults there."""
+        if torch.is_grad_enabled() and w.requires_grad and w.device.type == "cpu" \
+                and w.dim() == 2:
+            return _Embedding.apply(w, ids, padding_idx, self)
+        return torch.ops.aten.embedding.default(w, ids, padding_idx)
+
     def blocked_linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
                        ) -> torch.Tensor:
         """``aten.linear(x, w.to(x.dtype), b)`` casting ``w`` a block of rows at a time."""
@@ -217,7 +259,8 @@ class WeightCache:
             return grad.t().mm(x).to(torch.float32 if w is None else w.dtype)
         out = self.grad_buffer(w)
         gt = grad.t()
-        if w.numel() <= SCRATCH_NUMEL:  # small: one product; the allocator recycles it
+        if w.numel() <= SCRATCH_NUMEL or w.device.type != "cpu":
+            # one product: small, or a GPU, whose caching allocator recycles it
             return out.copy_(gt.mm(x))
         step = max(1, SCRATCH_NUMEL // max(1, x.shape[1]))
         scratch = self._pooled((step, x.shape[1]), grad.dtype, grad.device)

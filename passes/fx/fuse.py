@@ -274,6 +274,30 @@ def sink_gather_casts(gm: fx.GraphModule, low: torch.dtype) -> PassResult:
     return PassResult(gm, modified)
 
 
+def route_embeddings(gm: fx.GraphModule, embedding_fn: Callable[..., Any]) -> PassResult:
+    """Replace ``aten.embedding(W, ids, padding_idx)`` on a float parameter ``W`` by
+    ``embedding_fn(W, ids, padding_idx)`` (the runtime's choice of where the table's
+    gradient goes). Lookups that scale gradients by frequency or want sparse gradients are
+    left alone.
+
+    Example:
+        >>> route_embeddings(gm, cache.amp_embedding)
+    """
+    modified = False
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in GATHERS or node.kwargs \
+                or any(node.args[3:]) or node.args[0].op != "get_attr":
+            continue
+        table = tensors(node.args[0].meta.get("val"))
+        if len(table) != 1 or not table[0].is_floating_point():
+            continue
+        node.target = embedding_fn
+        node.args = node.args[:3]
+        node.meta["amp_orig_op"] = "aten.embedding"
+        modified = True
+    return PassResult(gm, modified)
+
+
 def _numel(node: fx.Node) -> int | None:
     """Elements of a node's single tensor output at the captured sizes, or None."""
     ts = tensors(node.meta.get("val"))

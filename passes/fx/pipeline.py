@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import gc
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +15,7 @@ from passes.fx.casts import annotate, count_casts, fold_casts, insert_casts
 from passes.fx.fuse import (
     channels_last_inputs,
     fuse_norm_casts,
+    route_embeddings,
     route_linears,
     sink_gather_casts,
 )
@@ -22,6 +25,26 @@ from passes.fx.verify import verify
 from passes.fx.weights import route_weight_casts
 from passes.paint import Decision, paint
 from passes.policy import LevelPolicy
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Run the body with the cyclic garbage collector off, then restore its previous state.
+
+    The passes allocate many small containers and free almost none of them, so the
+    collector cannot reclaim anything meanwhile, but with it on a large graph pays a full
+    collection of the whole heap partway through (the captured graph's fake tensors: ~1 s
+    at 50k nodes). Paused, that collection is deferred, not avoided: the next one after the
+    passes scans their objects too. The switch is process-wide (other threads' cyclic
+    garbage waits as well); a collector already off stays off.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 @dataclass
@@ -42,6 +65,7 @@ def run_amp_passes(
     weight_cast: Callable[..., Any] | None = None,
     fuse_norms: bool = True,
     linear: Callable[..., Any] | None = None,
+    embedding: Callable[..., Any] | None = None,
 ) -> FxAmpResult:
     """Rewrite ``gm`` in place for mixed precision and verify the result.
 
@@ -55,32 +79,39 @@ def run_amp_passes(
         linear: with ``weight_cast``, low-precision ``aten.linear`` nodes on a cast parameter
             call ``linear(x, w, b)`` instead (the runtime's choice of where weight
             gradients go).
+        embedding: with ``weight_cast``, ``aten.embedding`` nodes on a float parameter call
+            ``embedding(table, ids, padding_idx)`` instead (likewise).
         fuse_norms: let fp32 norms take and return ``low`` activations where every use
             wanted ``low``, cast 4-D inputs of convolutions to channels-last and cast
             embedding lookups instead of their tables (``passes.fx.fuse``): same numbers,
             fewer bytes copied.
 
+    The cyclic garbage collector is off while the passes run (:func:`gc_paused`).
+
     Example:
         >>> run_amp_passes(ep.module(), make_policy("O2"), torch.bfloat16).casts
         7
     """
-    prepare(gm)
-    graph = build_dataflow(gm)
-    if low in (torch.float16, torch.bfloat16) and policy.level != "O0":
-        mark_range_hazards(graph, gm, low)
-    decisions = paint(graph, policy)
-    annotate(gm, decisions)
-    insert_casts(gm, low, keep_io_types=keep_io_types, recompile=False)
-    fold_casts(gm, recompile=False)
-    if fuse_norms:
-        fuse_norm_casts(gm, low)
-        channels_last_inputs(gm, low)
-        sink_gather_casts(gm, low)
-    verify(gm, low)
-    casts = count_casts(gm)
-    if weight_cast is not None:
-        route_weight_casts(gm, weight_cast, recompile=False)
-        if linear is not None:
-            route_linears(gm, linear, low)
-    gm.recompile()
-    return FxAmpResult(gm, decisions, casts)
+    with gc_paused():
+        prepare(gm, recompile=False)
+        graph = build_dataflow(gm)
+        if low in (torch.float16, torch.bfloat16) and policy.level != "O0":
+            mark_range_hazards(graph, gm, low)
+        decisions = paint(graph, policy)
+        annotate(gm, decisions)
+        insert_casts(gm, low, keep_io_types=keep_io_types, recompile=False)
+        fold_casts(gm, recompile=False)
+        if fuse_norms:
+            fuse_norm_casts(gm, low)
+            channels_last_inputs(gm, low)
+            sink_gather_casts(gm, low)
+        verify(gm, low)
+        casts = count_casts(gm)
+        if weight_cast is not None:
+            route_weight_casts(gm, weight_cast, recompile=False)
+            if linear is not None:
+                route_linears(gm, linear, low)
+            if embedding is not None:
+                route_embeddings(gm, embedding)
+        gm.recompile()
+        return FxAmpResult(gm, decisions, casts)

@@ -29,7 +29,8 @@ def compiled(model, x, fused):
     gm = torch.export.export(model, (x,), strict=False).module()
     cache = WeightCache()
     run_amp_passes(gm, make_policy("O2"), torch.bfloat16, weight_cast=cache.cast,
-                   linear=cache.amp_linear if fused else None)
+                   linear=cache.amp_linear if fused else None,
+                   embedding=cache.amp_embedding if fused else None)
     return gm, cache
 
 
@@ -156,3 +157,58 @@ def test_training_drops_the_inference_copies(monkeypatch):
     assert kinds().count("infer") == 6  # every weight and bias
     gm(x).sum().backward()
     assert "infer" not in kinds()
+
+
+class Tokens(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 16, padding_idx=3)
+        self.pos = nn.Embedding(8, 16)
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, ids):
+        return self.fc(self.emb(ids) + self.pos.weight[: ids.shape[1]])
+
+
+def test_embedding_gradients_go_into_persistent_buffers_with_the_same_sums():
+    torch.manual_seed(0)
+    model = Tokens()
+    ids = torch.randint(0, 12, (4, 8))  # repeated rows and the padding row
+    ids[0, :3] = 3
+    gm, cache = compiled(model, ids, True)
+    plain, _ = compiled(copy.deepcopy(model), ids, False)
+    (emb,) = [n for n in gm.graph.nodes if n.target == cache.amp_embedding]
+    assert emb.meta["amp_orig_op"] == "aten.embedding" and emb.args[0].target == "emb.weight"
+    ptrs = []
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        plain.zero_grad(set_to_none=True)
+        out_a, out_b = gm(ids), plain(ids)
+        torch.testing.assert_close(out_a, out_b, rtol=0, atol=0)
+        out_a.square().sum().backward()
+        out_b.square().sum().backward()
+        g, ref = model.emb.weight.grad, dict(plain.named_parameters())["emb.weight"].grad
+        assert torch.equal(g, ref), "index_add_ makes aten's sums in aten's order"
+        assert not g[3].any(), "the padding row gets no gradient"
+        ptrs.append(g.data_ptr())
+        del g, ref  # held here, the buffer could not be reused
+    assert ptrs[1] == ptrs[2], "steady state: the same buffer every step"
+    kept = model.emb.weight.grad  # a gradient the user keeps is not overwritten
+    model.emb.weight.grad = None
+    before = kept.clone()
+    gm(ids).square().sum().backward()
+    assert torch.equal(kept, before) and model.emb.weight.grad.data_ptr() != kept.data_ptr()
+    with torch.no_grad():  # inference: the plain lookup
+        torch.testing.assert_close(gm(ids), plain(ids), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kwargs", [dict(scale_grad_by_freq=True), dict(sparse=True)])
+def test_embeddings_wanting_special_gradients_keep_aten(kwargs):
+    model = nn.Sequential(nn.Embedding(20, 8, **kwargs), nn.Linear(8, 2))
+    ids = torch.randint(0, 20, (2, 5))
+    gm, cache = compiled(model, ids, True)
+    targets = [n.target for n in gm.graph.nodes]
+    assert cache.amp_embedding not in targets and aten_embedding in targets
+
+
+aten_embedding = torch.ops.aten.embedding.default
