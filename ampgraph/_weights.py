@@ -225,31 +225,31 @@ class WeightCache:
                        ) -> torch.Tensor:
         """``aten.linear(x, w.to(x.dtype), b)`` casting ``w`` a block of rows at a time."""
         x2 = x.reshape(-1, x.shape[-1])
-        rows, cols = w.shape
-        out = torch.empty(x2.shape[0], rows, dtype=x.dtype, device=x.device)
-        step = max(1, SCRATCH_NUMEL // cols)
-        scratch = self._pooled((step, cols), x.dtype, x.device)
-        for r in range(0, rows, step):
-            n = min(step, rows - r)
-            block = scratch[:n].copy_(w[r:r + n])
+        out = torch.empty(x2.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
+        for r, n, block in self._cast_blocks(w, 0, x.dtype):
             if b is None:
                 torch.mm(x2, block.t(), out=out[:, r:r + n])
             else:
                 torch.addmm(b[r:r + n], x2, block.t(), out=out[:, r:r + n])
-        return out.view(*x.shape[:-1], rows)
+        return out.view(*x.shape[:-1], w.shape[0])
 
     def blocked_grad_input(self, grad: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """``grad @ w.to(grad.dtype)`` casting ``w`` a block of columns at a time."""
-        rows, cols = w.shape
-        out = torch.empty(grad.shape[0], cols, dtype=grad.dtype, device=grad.device)
-        step = max(1, SCRATCH_NUMEL // rows)
-        scratch = self._pooled((rows, step), grad.dtype, grad.device)
-        for c in range(0, cols, step):
-            n = min(step, cols - c)
-            block = scratch[:, :n]
-            block.copy_(w[:, c:c + n])
+        out = torch.empty(grad.shape[0], w.shape[1], dtype=grad.dtype, device=grad.device)
+        for c, n, block in self._cast_blocks(w, 1, grad.dtype):
             torch.mm(grad, block, out=out[:, c:c + n])
         return out
+
+    def _cast_blocks(self, w: torch.Tensor, dim: int, dtype: torch.dtype):
+        """Yield ``(start, n, block)``: the 2-D ``w`` cast to ``dtype`` ``n`` rows (``dim``
+        0) or columns (``dim`` 1) at a time into a pooled scratch of at most
+        ``SCRATCH_NUMEL`` elements (a column block keeps the scratch's row stride)."""
+        size, other = w.shape[dim], w.shape[1 - dim]
+        step = max(1, SCRATCH_NUMEL // other)
+        scratch = self._pooled((step, other) if dim == 0 else (other, step), dtype, w.device)
+        for start in range(0, size, step):
+            n = min(step, size - start)
+            yield start, n, scratch.narrow(dim, 0, n).copy_(w.narrow(dim, start, n))
 
     def linear_weight_grad(self, w: torch.Tensor | None, grad: torch.Tensor,
                            x: torch.Tensor) -> torch.Tensor:
