@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from ampgraph._attention import amp_attention
 from ampgraph._weights import WeightCache
 from ampgraph.capture import Captured, export_module, share_state, signature, unflatten_output
 from ampgraph.config import AmpConfig, dtype_name
@@ -165,6 +166,7 @@ class AmpModule(nn.Module):
                 weight_cast=self._amp_weights.cast if backend is None else None,
                 linear=self._amp_weights.amp_linear if backend is None else None,
                 embedding=self._amp_weights.amp_embedding if backend is None else None,
+                attention=amp_attention,
             )
         except Exception as exc:
             self._go_eager(f"ampgraph pass failed: {_first_line(exc)}")

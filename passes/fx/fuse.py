@@ -4,6 +4,8 @@
 - :func:`channels_last_inputs`: inputs of convolutions are cast straight to channels-last.
 - :func:`sink_gather_casts`: an embedding gathers from its fp32 table and casts the rows.
 - :func:`route_linears`: a linear casts its own weight and converts its weight gradient.
+- :func:`route_embeddings`, :func:`route_attention`: lookups and attention call the
+  runtime's implementation, which picks where gradients go or which kernel runs.
 
 Norms. O2 keeps batch/layer/group norm in fp32, so a low-precision activation is widened
 before the norm and its result rounded back for the next low-precision op: two extra passes
@@ -295,6 +297,30 @@ def route_embeddings(gm: fx.GraphModule, embedding_fn: Callable[..., Any]) -> Pa
         node.args = node.args[:3]
         node.meta["amp_orig_op"] = "aten.embedding"
         modified = True
+    return PassResult(gm, modified)
+
+
+ATTENTION = aten.scaled_dot_product_attention.default
+
+
+def route_attention(gm: fx.GraphModule, attention_fn: Callable[..., Any], low: torch.dtype
+                    ) -> PassResult:
+    """Replace low-precision ``aten.scaled_dot_product_attention`` nodes by
+    ``attention_fn`` called with the same arguments (the runtime picks the kernel for the
+    shapes it meets).
+
+    Example:
+        >>> route_attention(gm, amp_attention, torch.bfloat16)
+    """
+    modified = False
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is ATTENTION \
+                and node.meta.get("amp_precision") == LOW and dtype_of(node.args[0]) == low:
+            node.target = attention_fn
+            node.meta["amp_orig_op"] = "aten.scaled_dot_product_attention"
+            node.meta["amp_reason"] = (f"{node.meta.get('amp_reason', '')}; the runtime "
+                                       "picks its kernel for the shapes it meets")
+            modified = True
     return PassResult(gm, modified)
 
 

@@ -15,6 +15,7 @@ from passes.fx.casts import annotate, count_casts, fold_casts, insert_casts
 from passes.fx.fuse import (
     channels_last_inputs,
     fuse_norm_casts,
+    route_attention,
     route_embeddings,
     route_linears,
     sink_gather_casts,
@@ -66,6 +67,7 @@ def run_amp_passes(
     fuse_norms: bool = True,
     linear: Callable[..., Any] | None = None,
     embedding: Callable[..., Any] | None = None,
+    attention: Callable[..., Any] | None = None,
 ) -> FxAmpResult:
     """Rewrite ``gm`` in place for mixed precision and verify the result.
 
@@ -81,6 +83,8 @@ def run_amp_passes(
             gradients go).
         embedding: with ``weight_cast``, ``aten.embedding`` nodes on a float parameter call
             ``embedding(table, ids, padding_idx)`` instead (likewise).
+        attention: if given, low-precision ``aten.scaled_dot_product_attention`` nodes call
+            it with the same arguments instead (the runtime's choice of kernel).
         fuse_norms: let fp32 norms take and return ``low`` activations where every use
             wanted ``low``, cast 4-D inputs of convolutions to channels-last and cast
             embedding lookups instead of their tables (``passes.fx.fuse``): same numbers,
@@ -113,5 +117,7 @@ def run_amp_passes(
                 route_linears(gm, linear, low)
             if embedding is not None:
                 route_embeddings(gm, embedding)
+        if attention is not None:
+            route_attention(gm, attention, low)
         gm.recompile()
         return FxAmpResult(gm, decisions, casts)

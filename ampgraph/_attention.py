@@ -1,0 +1,123 @@
+"""Attention for low-precision graphs on the CPU: matmul, fp32 softmax, matmul.
+
+PyTorch runs every CPU ``scaled_dot_product_attention`` through its fused flash kernel,
+whose backward is slow on short sequences on our CPUs: 12.6 ms against 1.5 ms unfused
+at 16 x 8 heads x 64 tokens x 64 (bf16, 2 threads), a quarter of a BERT-style training
+step. The fused kernel's advantage is memory, and it has none when there are no more keys
+than the head dimension: the probabilities the unfused backward keeps then take no more
+bytes than the output and log-sum-exp the fused kernel keeps. :func:`amp_attention` runs
+those calls unfused when training, as the op ``ampgraph::attention``, and hands every other
+call to aten (inference included: the fused forward is as fast).
+
+The numbers follow the fused kernel's: scores are computed, scaled and masked in fp32 from
+the 16-bit ``q`` and ``k``, the softmax is fp32 (rows with every key masked give 0, as
+aten's), and the probabilities are rounded to the input dtype once for ``p @ v``. Backward
+uses those rounded probabilities (the ones forward multiplied ``v`` by) and computes the
+softmax derivative in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+aten = torch.ops.aten
+
+
+def amp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+                  is_causal: bool = False, scale: float | None = None,
+                  enable_gqa: bool = False) -> torch.Tensor:
+    """``aten.scaled_dot_product_attention`` with the same arguments; unfused (the op
+    ``ampgraph::attention``) when a gradient is wanted and :func:`unfused_pays` says so
+    (without gradients the fused kernel's forward is as fast)."""
+    training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
+                                            or v.requires_grad)
+    if not (training and unfused_pays(q, k, v, attn_mask, dropout_p, enable_gqa)):
+        return aten.scaled_dot_product_attention.default(
+            q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    return torch.ops.ampgraph.attention(q, k, v, attn_mask, is_causal, scale)[0]
+
+
+def unfused_pays(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 attn_mask: torch.Tensor | None, dropout_p: float, enable_gqa: bool) -> bool:
+    """bf16 on the CPU, no dropout, no grouped heads or batch broadcasting, a mask that
+    needs no gradient and broadcasts to the scores, and no more keys than the head
+    dimension (so the kept probabilities are no larger than the fused kernel's output)."""
+    tensors = (q, k, v) if attn_mask is None else (q, k, v, attn_mask)
+    return (all(t.device.type == "cpu" and t.layout == torch.strided for t in tensors)
+            and q.dtype == k.dtype == v.dtype == torch.bfloat16
+            and not dropout_p and not enable_gqa and q.dim() >= 3
+            and q.shape[:-2] == k.shape[:-2] == v.shape[:-2]
+            and k.shape[-2] <= v.shape[-1]
+            and (attn_mask is None or (not attn_mask.requires_grad and _fits(
+                attn_mask.shape, (*q.shape[:-1], k.shape[-2])))))
+
+
+def _fits(shape: torch.Size, target: tuple) -> bool:
+    try:
+        return tuple(torch.broadcast_shapes(shape, target)) == tuple(target)
+    except RuntimeError:
+        return False
+
+
+# One op per direction, so that profilers and dispatch modes see an attention kernel with
+# 16-bit inputs and outputs, not the fp32 arithmetic inside it.
+@torch.library.custom_op("ampgraph::attention", mutates_args=())
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               attn_mask: torch.Tensor | None, is_causal: bool, scale: float
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(softmax(q k^T * scale + mask) v, the rounded probabilities)."""
+    s = torch.matmul(q.float(), k.float().transpose(-2, -1)).mul_(scale)
+    if is_causal:  # top-left aligned, as aten
+        keep = torch.ones(s.shape[-2], s.shape[-1], dtype=torch.bool, device=s.device).tril()
+        s = s.masked_fill_(~keep, -math.inf)
+    if attn_mask is not None:
+        s = s.masked_fill_(~attn_mask, -math.inf) if attn_mask.dtype == torch.bool \
+            else s.add_(attn_mask)
+    p = torch.softmax(s, -1)
+    if attn_mask is not None or is_causal:  # rows with every key masked: 0, as aten
+        p = p.masked_fill_(s.amax(-1, keepdim=True) == -math.inf, 0.0)
+    p = p.to(q.dtype)
+    return torch.matmul(p, v), p
+
+
+@_attention.register_fake
+def _(q, k, v, attn_mask, is_causal, scale):
+    return (q.new_empty((*q.shape[:-1], v.shape[-1])),
+            q.new_empty((*q.shape[:-1], k.shape[-2])))
+
+
+@torch.library.custom_op("ampgraph::attention_backward", mutates_args=())
+def _attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                        v: torch.Tensor, p: torch.Tensor, scale: float
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) from the rounded probabilities, the softmax derivative in fp32."""
+    dv = torch.matmul(p.transpose(-2, -1), grad)
+    dp = torch.matmul(grad, v.transpose(-2, -1)).float()
+    ds = dp.sub_((dp * p).sum(-1, keepdim=True)).mul_(p).mul_(scale).to(q.dtype)
+    return torch.matmul(ds, k), torch.matmul(ds.transpose(-2, -1), q), dv
+
+
+@_attention_backward.register_fake
+def _(grad, q, k, v, p, scale):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous
+
+
+def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+    q, k, v, _, _, scale = inputs
+    ctx.save_for_backward(q, k, v, output[1])
+    ctx.mark_non_differentiable(output[1])
+    ctx.scale = scale
+
+
+def _backward(ctx: Any, grad: torch.Tensor, _: Any) -> tuple:
+    q, k, v, p = ctx.saved_tensors
+    dq, dk, dv = torch.ops.ampgraph.attention_backward(grad, q, k, v, p, ctx.scale)
+    return dq, dk, dv, None, None, None
+
+
+_attention.register_autograd(_backward, setup_context=_setup_context)
