@@ -265,11 +265,16 @@ def _paint_o1(graph: _Adjacency, cls: dict, todo: set, out: Assignment) -> None:
         out[v] = decide(LOW, "O1 fill: between low-precision ops, avoids a cast pair", cls[v])
     free -= between
     low |= between
-    # 4. spread clear ops both ways, infer ops forward, until nothing changes.
+    # 4. spread clear ops both ways, infer ops forward, until nothing changes. The result
+    # is the same in any order; visiting in graph order makes the neighbour a reason
+    # names the same on every run (a set's order changes with PYTHONHASHSEED).
+    order = [v for v in graph.graph if v in free]
     changed = True
     while changed:
         changed = False
-        for v in list(free):
+        for v in order:
+            if v not in free:
+                continue
             preds = graph.predecessors(v)
             if cls[v] == CLEAR:
                 near = next((u for u in (*preds, *graph.successors(v)) if u in low), None)

@@ -12,16 +12,23 @@ from passes.fx.casts import KEEP, _Rules, _slots, dtype_of
 def verify(gm: fx.GraphModule, low: torch.dtype) -> PassResult:
     """Raise PassError naming the first node whose inputs disagree with its precision.
 
-    Also runs ``graph.lint()``. Returns ``PassResult(gm, False)``. Each input is checked
-    against ``required_dtype`` (the rule cast insertion follows), with its per-node half
-    worked out once per node.
+    Also checks what ``graph.lint()`` checks that a rewrite can break: every input is a
+    node of this graph defined before its user (lint's other checks, of names and targets,
+    cost as much again on a large graph and concern nodes the passes do not make). Returns
+    ``PassResult(gm, False)``. Each input is checked against the rule cast insertion
+    follows, with its per-node half worked out once per node.
 
     Example:
         >>> verify(gm, torch.bfloat16)
     """
-    gm.graph.lint()
     rules = _Rules(low)
+    seen: set[fx.Node] = set()
     for node in gm.graph.nodes:
+        for arg in node.all_input_nodes:
+            if arg not in seen:
+                raise PassError("verify", node.name, f"input {arg.name} is not defined before "
+                                "it in this graph")
+        seen.add(node)
         if node.op != "call_function" or node.meta.get("amp_cast"):
             continue
         rule = rules.of(node)

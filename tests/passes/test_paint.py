@@ -109,3 +109,36 @@ def test_o2_clear_chain_fed_only_by_sources_follows_consumers():
     p, _ = precisions(g, "O2")
     assert p["t"] == p["expand"] == LOW
     assert p["view"] == FP32
+
+
+def test_o1_reasons_do_not_depend_on_the_hash_seed():
+    """Which low neighbour a clear op's reason names used to follow a set's order, which
+    changes with PYTHONHASHSEED; the precisions never did."""
+    import os
+    import subprocess
+    import sys
+
+    # per motif: x -> r1 -> mm_c and r1 -> r2 -> r3 -> mm_b; r1 and r3 turn low from their
+    # matmuls, and r2 names whichever of them was low first
+    code = (
+        "import networkx as nx\n"
+        "from passes.paint import paint\n"
+        "from passes.policy import make_policy\n"
+        "g = nx.DiGraph()\n"
+        "for m in range(10):\n"
+        "    x, r1, r2, r3, mc, mb = (f'{m}{n}' for n in ('x', 'r1', 'r2', 'r3', 'mc', 'mb'))\n"
+        "    g.add_node(x, kind='source')\n"
+        "    for v, op in ((r1, 'relu'), (mc, 'mm'), (r2, 'relu'), (r3, 'relu'), (mb, 'mm')):\n"
+        "        g.add_node(v, kind='compute', op=f'aten.{op}')\n"
+        "    g.add_edges_from([(x, r1), (r1, mc), (r1, r2), (r2, r3), (r3, mb)])\n"
+        "a = paint(g, make_policy('O1'))\n"
+        "print(sorted((k, d.precision, d.reason) for k, d in a.items()))\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    outs = set()
+    for seed in ("0", "1", "2", "3", "4", "5"):
+        env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": root}
+        run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                             text=True, check=True)
+        outs.add(run.stdout)
+    assert len(outs) == 1, outs

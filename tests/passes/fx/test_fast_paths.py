@@ -179,3 +179,30 @@ def test_op_key_cache_is_keyed_by_the_target_itself():
         del fn  # a new function may reuse the id
     assert keys == ["first", "second"]
     assert op_key(x) == "x"
+
+
+def test_verify_rejects_a_node_used_before_it_is_defined_or_from_another_graph():
+    """verify's own ordering check, in place of graph.lint()."""
+    from passes._infra import PassError
+    from passes.fx.verify import verify
+
+    def rewritten():
+        gm = blocks(2)
+        prepare(gm)
+        annotate(gm, paint(build_dataflow(gm), make_policy("O2")))
+        insert_casts(gm, torch.bfloat16)
+        verify(gm, torch.bfloat16)
+        return gm
+
+    gm = rewritten()
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    user = next(n for n in nodes if any(a.op == "call_function" for a in n.all_input_nodes))
+    nodes[0].prepend(user)
+    with pytest.raises(PassError, match="not defined before"):
+        verify(gm, torch.bfloat16)
+    gm, other = rewritten(), rewritten()
+    node = next(n for n in gm.graph.nodes if n.op == "call_function" and n.args)
+    stranger = next(n for n in other.graph.nodes if n.op == "call_function")
+    node.args = (stranger, *node.args[1:])
+    with pytest.raises(PassError, match="not defined before"):
+        verify(gm, torch.bfloat16)
