@@ -370,13 +370,22 @@ def insert_casts(
     caster = _Caster(gm, fake_mode)
     rules = _Rules(low)
     tracker = _DtypeTracker(fake_mode, exact)
+    captured: set[torch.dtype] = set()  # the float dtypes of the captured graph
     for node in nodes:
         meta = node.meta
+        val = meta.get("val")
         if "amp_dtype" not in meta:  # record every node's dtype before any rewrite
-            val = meta.get("val")
             dtype = val.dtype if isinstance(val, torch.Tensor) else dtype_of(node)
             if dtype is not None:
                 meta["amp_dtype"] = dtype
+        if "amp_orig_val" in meta:
+            val = meta["amp_orig_val"]
+        if type(val) is FakeTensor:
+            if val.dtype.is_floating_point:
+                captured.add(val.dtype)
+        elif val is not None:
+            captured |= _float_dtypes(val)
+    tracker.one_float = len(captured) <= 1
     for node in nodes:
         op = node.op
         if op != "call_function":
@@ -526,6 +535,16 @@ def _follows_inputs(node: fx.Node) -> bool:
                                         for v in (*node.args, *node.kwargs.values()))
 
 
+def _names_dtype(node: fx.Node) -> bool:
+    for v in node.args:
+        if isinstance(v, torch.dtype):
+            return True
+    for v in node.kwargs.values():
+        if isinstance(v, torch.dtype):
+            return True
+    return False
+
+
 class _Unkeyable(Exception):
     """A value :func:`_sig` cannot describe exactly (the op is then re-run)."""
 
@@ -598,6 +617,9 @@ class _DtypeTracker:
         self._orig_floats: dict[fx.Node, frozenset] = {}
         self._shared: dict[frozenset, frozenset] = {}
         self._source_keys: dict[fx.Node, tuple[Any, Any, Any]] = {}  # input -> key
+        # the captured graph has at most one float dtype, so every op's float inputs and
+        # outputs had it: an op follows its inputs unless it names a dtype
+        self.one_float = False
 
     def propagate(self, node: fx.Node, first: Any = _UNKNOWN) -> None:
         """Set ``node``'s dtype after its inputs were rewired. ``first``: the dtype of its
@@ -650,6 +672,8 @@ class _DtypeTracker:
 
     def _follows_inputs(self, node: fx.Node) -> bool:
         """:func:`_follows_inputs`, with each node's captured dtypes looked up once."""
+        if self.one_float:  # (no float at all: the caller finds no first float input)
+            return not _names_dtype(node)
         floats_of, cache = self._floats_of, self._orig_floats
         dtypes = cache.get(node)  # only nodes with amp_orig_val or casts are cached
         if dtypes is None or node.meta.get("amp_cast"):
@@ -662,15 +686,7 @@ class _DtypeTracker:
                 dtypes = dtypes | more
                 if len(dtypes) > 1:
                     return False  # the union only grows
-        if len(dtypes) != 1:
-            return False
-        for v in node.args:
-            if isinstance(v, torch.dtype):
-                return False
-        for v in node.kwargs.values():
-            if isinstance(v, torch.dtype):
-                return False
-        return True
+        return len(dtypes) == 1 and not _names_dtype(node)
 
     def _run_key(self, node: fx.Node) -> Any:
         """The signature of re-running ``node`` now, or None when it cannot be keyed."""
