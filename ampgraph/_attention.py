@@ -26,13 +26,14 @@ import torch
 aten = torch.ops.aten
 
 
-def amp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def amp_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
-                  is_causal: bool = False, scale: float | None = None,
+                  is_causal: bool = False, *, scale: float | None = None,
                   enable_gqa: bool = False) -> torch.Tensor:
-    """``aten.scaled_dot_product_attention`` with the same arguments; unfused (the op
+    """``aten.scaled_dot_product_attention``, same signature; unfused (the op
     ``ampgraph::attention``) when a gradient is wanted and :func:`unfused_pays` says so
     (without gradients the fused kernel's forward is as fast)."""
+    q, k, v = query, key, value
     training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
                                             or v.requires_grad)
     if not (training and unfused_pays(q, k, v, attn_mask, dropout_p, enable_gqa)):

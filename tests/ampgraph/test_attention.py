@@ -163,3 +163,14 @@ def test_a_torch_compile_backend_traces_the_routed_attention():
     assert torch.allclose(outs[0], outs[1], rtol=2e-2, atol=2e-2)
     for p, r in zip(traced.parameters(), eager.parameters()):
         assert (p.grad - r.grad).norm() <= 0.02 * r.grad.norm() + 1e-6
+
+
+def test_the_routed_function_takes_aten_arguments_by_their_names():
+    """Graph nodes may pass any argument by keyword: the names must be aten's."""
+    import inspect
+
+    schema = torch.ops.aten.scaled_dot_product_attention.default._schema
+    params = inspect.signature(amp_attention).parameters
+    assert list(params) == [a.name for a in schema.arguments]
+    assert [p.kind == p.KEYWORD_ONLY for p in params.values()] == [
+        a.kwarg_only for a in schema.arguments]
