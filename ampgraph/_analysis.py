@@ -101,7 +101,7 @@ def _tensors(val: Any) -> list[torch.Tensor]:
 
 # ------------------------------------------------------------------------------ FLOPs
 
-MATMUL_OPS = ("aten.linear", "amp_linear", "aten.mm", "aten.bmm", "aten.matmul", "aten.addmm",
+MATMUL_OPS = ("aten.linear", "aten.mm", "aten.bmm", "aten.matmul", "aten.addmm",
               "aten.baddbmm")
 CONV_OPS = ("aten.conv1d", "aten.conv2d", "aten.conv3d", "aten.convolution",
             "aten._convolution", "aten.conv_transpose1d", "aten.conv_transpose2d",
@@ -125,7 +125,7 @@ def node_flops(node: fx.Node) -> int:
     """
     if node.op != "call_function":
         return 0
-    key = _base(op_key(node))
+    key = _base(node.meta.get("amp_orig_op") or op_key(node))  # routed ops: what they run
     out = _tensors(_val(node))
     if not out:
         return 0

@@ -1,19 +1,20 @@
 """Attention for low-precision graphs on the CPU: matmul, fp32 softmax, matmul.
 
 PyTorch runs every CPU ``scaled_dot_product_attention`` through its fused flash kernel,
-whose backward is slow on short sequences on our CPUs: 12.6 ms against 1.5 ms unfused
-at 16 x 8 heads x 64 tokens x 64 (bf16, 2 threads), a quarter of a BERT-style training
-step. The fused kernel's advantage is memory, and it has none when there are no more keys
-than the head dimension: the probabilities the unfused backward keeps then take no more
-bytes than the output and log-sum-exp the fused kernel keeps. :func:`amp_attention` runs
-those calls unfused when training, as the op ``ampgraph::attention``, and hands every other
-call to aten (inference included: the fused forward is as fast).
+whose backward is slow on short sequences on our CPUs: 12.6 ms against 1.5 ms unfused at
+16 x 8 heads x 64 tokens x 64 measured alone (bf16, 2 threads); ~9 ms per layer inside a
+BERT-style training step, a quarter of the step. The fused kernel's advantage is memory,
+and it has none when there are no more keys than the head dimension: the probabilities the
+unfused backward keeps then take no more bytes than the output and log-sum-exp the fused
+kernel keeps. :func:`amp_attention` runs those calls unfused when training, as the op
+``ampgraph::attention``, and hands every other call to aten (inference included: the fused
+forward is as fast).
 
 The numbers follow the fused kernel's: scores are computed, scaled and masked in fp32 from
 the 16-bit ``q`` and ``k``, the softmax is fp32 (rows with every key masked give 0, as
 aten's), and the probabilities are rounded to the input dtype once for ``p @ v``. Backward
-uses those rounded probabilities (the ones forward multiplied ``v`` by) and computes the
-softmax derivative in fp32.
+uses those rounded probabilities (the ones forward multiplied ``v`` by); the products with
+``grad`` are bf16 matmuls and the softmax derivative is taken in fp32 from them.
 """
 
 from __future__ import annotations
@@ -45,17 +46,19 @@ def amp_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 def unfused_pays(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  attn_mask: torch.Tensor | None, dropout_p: float, enable_gqa: bool) -> bool:
-    """bf16 on the CPU, no dropout, no grouped heads or batch broadcasting, a mask that
-    needs no gradient and broadcasts to the scores, and no more keys than the head
-    dimension (so the kept probabilities are no larger than the fused kernel's output)."""
+    """bf16 on the CPU, no dropout, no grouped heads or batch broadcasting, a boolean or
+    bf16 mask that needs no gradient and broadcasts to the scores, and at least one but no
+    more keys than the head dimension (so the kept probabilities are no larger than the
+    fused kernel's output). With dropout aten runs its own unfused math path anyway."""
     tensors = (q, k, v) if attn_mask is None else (q, k, v, attn_mask)
     return (all(t.device.type == "cpu" and t.layout == torch.strided for t in tensors)
             and q.dtype == k.dtype == v.dtype == torch.bfloat16
             and not dropout_p and not enable_gqa and q.dim() >= 3
             and q.shape[:-2] == k.shape[:-2] == v.shape[:-2]
-            and k.shape[-2] <= v.shape[-1]
-            and (attn_mask is None or (not attn_mask.requires_grad and _fits(
-                attn_mask.shape, (*q.shape[:-1], k.shape[-2])))))
+            and 0 < k.shape[-2] <= v.shape[-1]
+            and (attn_mask is None or (
+                attn_mask.dtype in (torch.bool, q.dtype) and not attn_mask.requires_grad
+                and _fits(attn_mask.shape, (*q.shape[:-1], k.shape[-2])))))
 
 
 def _fits(shape: torch.Size, target: tuple) -> bool:

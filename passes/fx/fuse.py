@@ -315,7 +315,8 @@ def route_attention(gm: fx.GraphModule, attention_fn: Callable[..., Any], low: t
     modified = False
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target is ATTENTION \
-                and node.meta.get("amp_precision") == LOW and dtype_of(node.args[0]) == low:
+                and node.meta.get("amp_precision") == LOW and dtype_of(
+                    node.args[0] if node.args else node.kwargs.get("query")) == low:
             node.target = attention_fn
             node.meta["amp_orig_op"] = "aten.scaled_dot_product_attention"
             node.meta["amp_reason"] = (f"{node.meta.get('amp_reason', '')}; the runtime "

@@ -10,8 +10,10 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import ampgraph
+from ampgraph._analysis import node_flops
 from ampgraph._attention import amp_attention, unfused_pays
 from models import bert_encoder
+from tests.helpers import record
 
 BF16 = torch.bfloat16
 
@@ -56,11 +58,24 @@ def test_unfused_attention_is_as_accurate_as_the_fused_kernel(kind):
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
             return F.scaled_dot_product_attention(*a, **kw)
 
+    assert "ampgraph_attention" in amp_attention(q, k, v, mask, is_causal=causal
+                                                 ).grad_fn.name()  # the unfused op ran
     ours = errors(amp_attention, q, k, v, mask, causal, grad)
     theirs = errors(fused, q, k, v, mask, causal, grad)
     for mine, aten_err in zip(ours, theirs):  # output, dq, dk, dv
         assert mine <= 1.5 * aten_err + 1e-3, (ours, theirs)
         assert mine < 2e-2
+
+
+@pytest.mark.parametrize("t,s", [(4, 8), (8, 4)])
+def test_causal_with_unequal_query_and_key_lengths_is_top_left_aligned(t, s):
+    q, k, v = qkv(n=2, h=2, t=t, s=s, d=8)
+    assert unfused_pays(q, k, v, None, 0.0, False)
+    ours = amp_attention(q, k, v, is_causal=True)
+    ref = F.scaled_dot_product_attention(*(x.detach().double() for x in (q, k, v)),
+                                         is_causal=True)
+    assert "ampgraph_attention" in ours.grad_fn.name()
+    assert torch.allclose(ours.double(), ref, atol=2e-2, rtol=2e-2)
 
 
 def test_rows_with_every_key_masked_give_zeros_and_zero_gradients():
@@ -104,9 +119,10 @@ def test_the_custom_ops_pass_opcheck(kind):
 
 
 @pytest.mark.parametrize("case", ["more keys than head dim", "dropout", "fp16", "fp32",
-                                  "mask wants a gradient", "grouped heads"])
+                                  "mask wants a gradient", "grouped heads", "fp32 mask",
+                                  "no keys"])
 def test_other_calls_go_to_aten_unchanged(case):
-    q, k, v = qkv(t=16, d=16, s=32 if case == "more keys than head dim" else None,
+    q, k, v = qkv(t=16, d=16, s={"more keys than head dim": 32, "no keys": 0}.get(case),
                   dtype=torch.float16 if case == "fp16" else
                   torch.float32 if case == "fp32" else BF16)
     mask, dropout, gqa = None, 0.0, False
@@ -114,6 +130,8 @@ def test_other_calls_go_to_aten_unchanged(case):
         dropout = 0.1
     if case == "mask wants a gradient":
         mask = torch.zeros(4, 1, 1, 16, dtype=BF16, requires_grad=True)
+    if case in ("fp32 mask", "no keys"):
+        mask = torch.zeros(4, 1, 1, k.shape[-2])
     if case == "grouped heads":
         k, v = (t.detach()[:, :1].requires_grad_() for t in (k, v))
         gqa = True
@@ -131,11 +149,17 @@ def test_o2_routes_bert_attention_and_trains_like_fp32():
     ids, mask = bert_encoder.example_inputs(4)
     ref = copy.deepcopy(model)
     amp = ampgraph.compile(model, "O2", BF16)
-    out = amp(ids, mask)
+    out, rec = record(lambda: amp(ids, mask))
+    assert [d for n, d in rec.calls if n == "attention"] == [[BF16] * 4] * 2  # 2 layers
     (part,) = [c for _, c in amp._amp_parts()[0]]
     targets = [n.target for n in part.gm.graph.nodes if n.op == "call_function"]
     assert amp_attention in targets
     assert torch.ops.aten.scaled_dot_product_attention.default not in targets
+    routed = next(n for n in part.gm.graph.nodes if n.target is amp_attention)
+    flops = node_flops(routed)
+    routed.target = torch.ops.aten.scaled_dot_product_attention.default
+    assert flops == node_flops(routed) > 0  # a routed node counts as attention in reports
+    routed.target = amp_attention
     ref_out = ref(ids, mask)
     assert (out.float() - ref_out).norm() / ref_out.norm() < 3e-2
     out.float().sum().backward()

@@ -45,6 +45,29 @@ def blocks(n: int) -> fx.GraphModule:
     return make_fx(f, tracing_mode="fake")(*args)
 
 
+def dtype_blocks(n: int, fp64: bool = True) -> fx.GraphModule:
+    """:func:`blocks` plus ops that name a dtype and, with ``fp64``, an fp64 side path: a
+    captured graph with two float dtypes (the general "follows its inputs" rule) or one
+    (the single-dtype shortcut)."""
+
+    def f(x, w, b, g, e):
+        for _ in range(n):
+            h = torch.nn.functional.gelu(torch.nn.functional.linear(x, w, b))
+            h = torch.nn.functional.layer_norm(h, (D,), g)
+            side = (h.to(e.dtype) * e).sum(-1, keepdim=True).to(torch.float32)
+            total = h.sum(-1, keepdim=True, dtype=torch.float32)  # names its dtype
+            x = x + h * torch.softmax(h, -1) + side + total
+        return x
+
+    args = (torch.randn(2, D), torch.randn(D, D), torch.randn(D), torch.randn(D),
+            torch.randn(D, dtype=torch.float64 if fp64 else torch.float32))
+    return make_fx(f, tracing_mode="fake")(*args)
+
+
+def one_dtype_blocks(n: int) -> fx.GraphModule:
+    return dtype_blocks(n, fp64=False)
+
+
 def meta_of(value):
     if isinstance(value, torch.Tensor):
         return (value.dtype, tuple(value.shape), value.stride(), value.requires_grad)
@@ -53,16 +76,17 @@ def meta_of(value):
     return value
 
 
+@pytest.mark.parametrize("build", [blocks, dtype_blocks, one_dtype_blocks])
 @pytest.mark.parametrize("level", ["O1", "O2", "O3"])
 @pytest.mark.parametrize("low", [torch.bfloat16, torch.float16])
-def test_remembered_runs_agree_with_running_every_op(level, low):
+def test_remembered_runs_agree_with_running_every_op(level, low, build):
     """Repeated multi-output ops take the remembered result: the dtypes of every node, and
     the values of the multi-output ones, are those running every op gives. (Single-output
     ops that follow their inputs only record ``amp_dtype``: their ``val`` keeps the captured
     dtype either way.)"""
     seen = []
     for exact in (False, True):
-        gm = blocks(6)
+        gm = build(6)
         prepare(gm)
         annotate(gm, paint(build_dataflow(gm), make_policy(level)))
         insert_casts(gm, low, exact=exact)
