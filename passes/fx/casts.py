@@ -102,7 +102,7 @@ class _Rule:
     (the low dtype, ``_ORIG`` or KEEP).
     """
 
-    __slots__ = ("keep_all", "node", "mutated", "fixed", "default", "io")
+    __slots__ = ("keep_all", "node", "mutated", "fixed", "default", "io", "by_node")
 
     def __init__(self, keep_all: bool, node: fx.Node | None = None, mutated: tuple = (),
                  fixed: tuple = (), default: Any = KEEP, io: torch.dtype | None = None):
@@ -112,6 +112,17 @@ class _Rule:
         self.fixed = fixed
         self.default = default
         self.io = io  # an fp32 norm fed low precision (passes.fx.fuse): input 0's dtype
+        # what an input wants depends on the input alone, not on its position
+        self.by_node = not (keep_all or mutated or fixed or io is not None)
+
+    def want_node(self, arg: fx.Node) -> Any:
+        """:meth:`want` of a ``by_node`` rule."""
+        meta = arg.meta
+        orig = meta["amp_orig_dtype"] if "amp_orig_dtype" in meta else dtype_of(arg)
+        if orig not in FLOATS:
+            return KEEP
+        default = self.default
+        return orig if default is _ORIG else default
 
     def want(self, slot: int | str, arg: fx.Node) -> Any:
         meta = arg.meta
@@ -385,7 +396,7 @@ def insert_casts(
                 captured.add(val.dtype)
         elif val is not None:
             captured |= _float_dtypes(val)
-    tracker.one_float = len(captured) <= 1
+    one_float = tracker.one_float = len(captured) <= 1
     for node in nodes:
         op = node.op
         if op != "call_function":
@@ -398,7 +409,25 @@ def insert_casts(
         rule = rules.of(node)
         changed = False
         first: Any = _UNKNOWN  # dtype of the first float input after the rewrite
-        if not rule.keep_all:
+        if rule.by_node:  # the common case: each input once, wherever it is used
+            first = None
+            swap: dict[fx.Node, fx.Node] | None = None
+            want_node = rule.want_node
+            for arg in node._input_nodes:  # all_input_nodes without its copy, same order
+                have = arg.meta.get("amp_dtype")
+                if have in FLOATS:
+                    want = want_node(arg)
+                    if want is not KEEP and have != want:
+                        if swap is None:
+                            swap = {}
+                        swap[arg] = caster.get(arg, want)
+                        have = want
+                    if first is None:
+                        first = have
+            if swap:
+                _remap(node, swap)
+                changed = True
+        elif not rule.keep_all:
             first = None
             replace: dict[tuple[Any, fx.Node], fx.Node] | None = None
             want_of = rule.want
@@ -417,7 +446,11 @@ def insert_casts(
                 _rewire(node, replace)
                 changed = True
         if changed or meta.get("amp_precision") == LOW:
-            tracker.propagate(node, first)
+            if first is not None and first is not _UNKNOWN and one_float \
+                    and type(meta.get("val")) is FakeTensor and not _names_dtype(node):
+                meta["amp_dtype"] = first  # tracker.propagate's rule, inline
+            else:
+                tracker.propagate(node, first)
     if recompile:
         gm.recompile()
     gm.meta["amp_casts"] = gm.meta.get("amp_casts", 0) + caster.count
@@ -487,6 +520,18 @@ def _rewire(node: fx.Node, replace: Mapping) -> None:
 
 
 _UPDATE_ARGS = hasattr(fx.Node, "_update_args_kwargs")
+
+
+def _remap(node: fx.Node, swap: Mapping[fx.Node, fx.Node]) -> None:
+    """Replace every use of each key of ``swap`` in ``node``'s inputs by its value (one
+    re-link, as :func:`_rewire`)."""
+    args = fx.node.map_arg(node.args, lambda n: swap.get(n, n))
+    kwargs = fx.node.map_arg(node.kwargs, lambda n: swap.get(n, n)) if node.kwargs \
+        else node.kwargs
+    if _UPDATE_ARGS:
+        node._update_args_kwargs(args, kwargs)
+    else:
+        node.args, node.kwargs = args, kwargs
 
 
 def _swap(value: Any, slot: Any, replace: Mapping) -> Any:
