@@ -24,7 +24,8 @@ def verify(gm: fx.GraphModule, low: torch.dtype) -> PassResult:
     rules = _Rules(low)
     seen: set[fx.Node] = set()
     for node in gm.graph.nodes:
-        for arg in node.all_input_nodes:
+        inputs = node.all_input_nodes
+        for arg in inputs:
             if arg not in seen:
                 raise PassError("verify", node.name, f"input {arg.name} is not defined before "
                                 "it in this graph")
@@ -34,14 +35,14 @@ def verify(gm: fx.GraphModule, low: torch.dtype) -> PassResult:
         rule = rules.of(node)
         if rule.keep_all:  # every input is KEEP
             continue
-        want_of = rule.want
-        for slot, arg in _slots(node):
+        if rule.by_node:  # each input once, wherever it is used
+            pairs = ((arg.name, arg, rule.want_node(arg)) for arg in inputs)
+        else:
+            pairs = ((slot, arg, rule.want(slot, arg)) for slot, arg in _slots(node))
+        for slot, arg, want in pairs:
             meta = arg.meta
             have = meta["amp_dtype"] if "amp_dtype" in meta else dtype_of(arg)
-            if have is None:
-                continue
-            want = want_of(slot, arg)
-            if want is not KEEP and have != want:
+            if have is not None and want is not KEEP and have != want:
                 raise PassError(
                     "verify", node.name,
                     f"input {slot} ({arg.name}) is {have}, but the node runs in "
