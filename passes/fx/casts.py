@@ -804,8 +804,10 @@ def fold_casts(gm: fx.GraphModule, recompile: bool = True) -> PassResult:
     """
     modified = False
     graph = gm.graph
-    # the casts, in graph order: the only nodes either walk below acts on
-    casts = [n for n in graph.nodes if n.meta.get("amp_cast")]
+    # the casts, in graph order (cast insertion makes them all aten._to_copy, which the
+    # graph's own op index finds): the only nodes either walk below acts on
+    casts = [n for n in graph.find_nodes(op="call_function", target=CAST)
+             if n.meta.get("amp_cast")]
     kept = []
     for node in casts:
         src = node.args[0]
