@@ -409,17 +409,16 @@ def insert_casts(
         rule = rules.of(node)
         changed = False
         first: Any = _UNKNOWN  # dtype of the first float input after the rewrite
+        swap: dict[fx.Node, fx.Node] | None = None  # by-node rules: input -> its cast
         if rule.by_node:  # the common case: each input once, wherever it is used
             first = None
-            swap: dict[fx.Node, fx.Node] | None = None
+            swap = {}
             want_node = rule.want_node
             for arg in node._input_nodes:  # all_input_nodes without its copy, same order
                 have = arg.meta.get("amp_dtype")
                 if have in FLOATS:
                     want = want_node(arg)
                     if want is not KEEP and have != want:
-                        if swap is None:
-                            swap = {}
                         swap[arg] = caster.get(arg, want)
                         have = want
                     if first is None:
@@ -450,7 +449,7 @@ def insert_casts(
                     and type(meta.get("val")) is FakeTensor and not _names_dtype(node):
                 meta["amp_dtype"] = first  # tracker.propagate's rule, inline
             else:
-                tracker.propagate(node, first)
+                tracker.propagate(node, first, swap)
     if recompile:
         gm.recompile()
     gm.meta["amp_casts"] = gm.meta.get("amp_casts", 0) + caster.count
@@ -666,9 +665,11 @@ class _DtypeTracker:
         # outputs had it: an op follows its inputs unless it names a dtype
         self.one_float = False
 
-    def propagate(self, node: fx.Node, first: Any = _UNKNOWN) -> None:
+    def propagate(self, node: fx.Node, first: Any = _UNKNOWN,
+                  swap: Mapping[fx.Node, fx.Node] | None = None) -> None:
         """Set ``node``'s dtype after its inputs were rewired. ``first``: the dtype of its
-        first float input, when the caller knows it (None: it has none)."""
+        first float input, when the caller knows it (None: it has none). ``swap``: the
+        inputs that were replaced, each by the node now in its place (None: unknown)."""
         if not self.exact:
             val = node.meta.get("val")
             single = isinstance(val, torch.Tensor) or len(tensors(val)) == 1
@@ -680,6 +681,10 @@ class _DtypeTracker:
                     _set_dtype(node, first)
                     return
             if node.target is not operator.getitem:
+                if swap is not None and _sees_captured_inputs(node, swap):
+                    node.meta.pop("amp_dtype", None)  # its captured value still holds
+                    _set_dtype(node, dtype_of(node))
+                    return
                 key = self._run_key(node)
                 if key is not None:
                     known = self.results.get(key)
@@ -778,6 +783,24 @@ class _DtypeTracker:
                             f"could not re-run {op_key(node)} on the new dtypes: {exc}") from exc
         node.meta.pop("amp_dtype", None)
         _set_dtype(node, dtype_of(node))
+
+
+def _sees_captured_inputs(node: fx.Node, swap: Mapping[fx.Node, fx.Node]) -> bool:
+    """Every input of ``node`` is what it was at capture: the captured node itself, or a
+    cast of it back to its captured dtype, with the captured value and that dtype. The
+    node's own captured value then still holds (a re-run would rebuild it)."""
+    if node.meta.get("val") is not node.meta.get("amp_orig_val"):
+        return False
+    back = {new: old for old, new in swap.items()}
+    for a in node._input_nodes:  # all_input_nodes without its copy, same order
+        orig = back.get(a, a)
+        if orig is not a and not (a.meta.get("amp_cast") and a.args[0] is orig):
+            return False  # a folded cast: the value of another node
+        val = a.meta.get("val")
+        if type(val) is not FakeTensor or val is not orig.meta.get("amp_orig_val") \
+                or a.meta.get("amp_dtype", val.dtype) != val.dtype:
+            return False
+    return True
 
 
 def _arg_key(a: Any) -> Any:
