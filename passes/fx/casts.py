@@ -396,7 +396,7 @@ def insert_casts(
                 captured.add(val.dtype)
         elif val is not None:
             captured |= _float_dtypes(val)
-    one_float = tracker.one_float = len(captured) <= 1
+    one_float = tracker.one_float = not exact and len(captured) <= 1  # exact: run every op
     for node in nodes:
         op = node.op
         if op != "call_function":
