@@ -389,14 +389,8 @@ def insert_casts(
             dtype = val.dtype if isinstance(val, torch.Tensor) else dtype_of(node)
             if dtype is not None:
                 meta["amp_dtype"] = dtype
-        if "amp_orig_val" in meta:
-            val = meta["amp_orig_val"]
-        if type(val) is FakeTensor:
-            if val.dtype.is_floating_point:
-                captured.add(val.dtype)
-        elif val is not None:
-            captured |= _float_dtypes(val)
-    one_float = tracker.one_float = not exact and len(captured) <= 1  # exact: run every op
+        captured |= _float_dtypes(meta.get("amp_orig_val", val))
+    tracker.one_float = len(captured) <= 1
     for node in nodes:
         op = node.op
         if op != "call_function":
@@ -445,11 +439,7 @@ def insert_casts(
                 _rewire(node, replace)
                 changed = True
         if changed or meta.get("amp_precision") == LOW:
-            if first is not None and first is not _UNKNOWN and one_float \
-                    and type(meta.get("val")) is FakeTensor and not _names_dtype(node):
-                meta["amp_dtype"] = first  # tracker.propagate's rule, inline
-            else:
-                tracker.propagate(node, first, swap)
+            tracker.propagate(node, first, swap)
     if recompile:
         gm.recompile()
     gm.meta["amp_casts"] = gm.meta.get("amp_casts", 0) + caster.count
@@ -512,6 +502,19 @@ def _rewire(node: fx.Node, replace: Mapping) -> None:
             for i, a in enumerate(args))
     if in_kwargs:
         kwargs = {k: _swap(a, k, replace) for k, a in kwargs.items()}
+    _relink(node, args, kwargs)
+
+
+def _remap(node: fx.Node, swap: Mapping[fx.Node, fx.Node]) -> None:
+    """Replace every use of each key of ``swap`` in ``node``'s inputs by its value."""
+    args = fx.node.map_arg(node.args, lambda n: swap.get(n, n))
+    kwargs = fx.node.map_arg(node.kwargs, lambda n: swap.get(n, n)) if node.kwargs \
+        else node.kwargs
+    _relink(node, args, kwargs)
+
+
+def _relink(node: fx.Node, args: tuple, kwargs: dict) -> None:
+    """Set ``node``'s inputs with one re-link (see :func:`_rewire`)."""
     if _UPDATE_ARGS:
         node._update_args_kwargs(args, kwargs)
     else:
@@ -519,18 +522,6 @@ def _rewire(node: fx.Node, replace: Mapping) -> None:
 
 
 _UPDATE_ARGS = hasattr(fx.Node, "_update_args_kwargs")
-
-
-def _remap(node: fx.Node, swap: Mapping[fx.Node, fx.Node]) -> None:
-    """Replace every use of each key of ``swap`` in ``node``'s inputs by its value (one
-    re-link, as :func:`_rewire`)."""
-    args = fx.node.map_arg(node.args, lambda n: swap.get(n, n))
-    kwargs = fx.node.map_arg(node.kwargs, lambda n: swap.get(n, n)) if node.kwargs \
-        else node.kwargs
-    if _UPDATE_ARGS:
-        node._update_args_kwargs(args, kwargs)
-    else:
-        node.args, node.kwargs = args, kwargs
 
 
 def _swap(value: Any, slot: Any, replace: Mapping) -> Any:
@@ -568,15 +559,6 @@ def _float_dtypes(value: Any) -> frozenset:
                                           else _NO_FLOATS)
         return found
     return frozenset(t.dtype for t in tensors(value) if t.is_floating_point())
-
-
-def _follows_inputs(node: fx.Node) -> bool:
-    """In the captured graph, all float inputs and outputs of ``node`` had one dtype."""
-    dtypes = set(_float_dtypes(node.meta.get("amp_orig_val")))
-    for a in node.all_input_nodes:
-        dtypes |= _float_dtypes(a.meta.get("amp_orig_val", a.meta.get("val")))
-    return len(dtypes) == 1 and not any(isinstance(v, torch.dtype)
-                                        for v in (*node.args, *node.kwargs.values()))
 
 
 def _names_dtype(node: fx.Node) -> bool:
@@ -721,7 +703,8 @@ class _DtypeTracker:
         return hit
 
     def _follows_inputs(self, node: fx.Node) -> bool:
-        """:func:`_follows_inputs`, with each node's captured dtypes looked up once."""
+        """In the captured graph, all float inputs and outputs of ``node`` had one dtype,
+        and it names no dtype (each node's captured dtypes are looked up once)."""
         if self.one_float:  # (no float at all: the caller finds no first float input)
             return not _names_dtype(node)
         floats_of, cache = self._floats_of, self._orig_floats

@@ -268,7 +268,7 @@ def prepare(gm: fx.GraphModule, recompile: bool = True) -> PassResult:
     buffers or views keep their semantics and run in their operand's dtype.
 
     ``recompile``: lint the graph and regenerate ``gm.forward`` when it changed (a pipeline
-    does both once at its end: ``verify`` lints).
+    checks and regenerates once at its end: ``verify`` checks input order).
     """
     modified = False
     graph = gm.graph
