@@ -10,10 +10,16 @@ from __future__ import annotations
 
 from ampgraph.api import compile
 from ampgraph.config import AmpConfig
-from ampgraph.loss_scale import DynamicLossScaleManager, FixedLossScaleManager, LossScaleManager
 from ampgraph.module import AmpModule
 from ampgraph.report import PrecisionReport, explain
-from ampgraph.train_step import StepOutput, TrainStep, build_train_step
+from ampgraph.train import (
+    DynamicLossScaleManager,
+    FixedLossScaleManager,
+    LossScaleManager,
+    StepOutput,
+    TrainStep,
+    build_train_step,
+)
 
 __version__ = "0.1.0"
 

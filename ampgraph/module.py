@@ -20,10 +20,10 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from ampgraph._attention import amp_attention
-from ampgraph._weights import WeightCache
 from ampgraph.capture import Captured, export_module, share_state, signature, unflatten_output
 from ampgraph.config import AmpConfig, dtype_name
+from ampgraph.runtime.attention import amp_attention
+from ampgraph.runtime.weights import WeightCache
 from passes.fx import run_amp_passes
 from passes.fx.casts import dtype_of
 from passes.fx.graph import module_info, op_key
@@ -197,8 +197,17 @@ class AmpModule(nn.Module):
 
     # -- reporting ------------------------------------------------------------------------
 
-    def _amp_parts(self) -> tuple[list[tuple[str, Compiled]], list[EagerPart]]:
-        """(compiled graphs with their module prefix, eager parts) of the last run."""
+    def amp_parts(self) -> tuple[list[tuple[str, Compiled]], list[EagerPart]]:
+        """What the last run executed: (compiled graphs with their module prefix, eager parts).
+
+        The graphs are those of the last call (per submodule when the model fell back);
+        ``explain`` and ``ampgraph inspect`` read them.
+
+        Example:
+            >>> graphs, eager = net.amp_parts()
+            >>> [prefix for prefix, _ in graphs], [e.path for e in eager]
+            ([''], [])
+        """
         if self._amp_eager is None:
             last = self._amp_last
             return ([(self._amp_path, last)] if last is not None else []), []
@@ -206,7 +215,7 @@ class AmpModule(nn.Module):
         eager = [EagerPart(self._amp_path or "<root>", type(self._amp_model).__name__,
                            self._amp_eager_reason or "")]
         for sub in _amp_children(self._amp_eager):
-            g, e = sub._amp_parts()
+            g, e = sub.amp_parts()
             graphs += g
             eager += e
         return graphs, eager

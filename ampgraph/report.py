@@ -110,7 +110,7 @@ def explain(module: nn.Module, *example_args: Any, **example_kwargs: Any) -> Pre
     if example_args or example_kwargs:
         if module._compiled_for(tuple(example_args), dict(example_kwargs)) is None:
             _run_keeping_buffers(module, example_args, example_kwargs)  # eager parts capture
-    graphs, eager = module._amp_parts()
+    graphs, eager = module.amp_parts()
     if not graphs and not eager:
         raise ValueError(
             "this module has not run yet: pass example inputs, "

@@ -22,7 +22,7 @@ MATMUL_OPS = {
     "addmm", "mm", "bmm", "baddbmm", "convolution", "matmul", "linear",
     "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention",
-    "attention",  # ampgraph::attention, the unfused CPU attention (ampgraph._attention)
+    "attention",  # ampgraph::attention, the unfused CPU attention (ampgraph.runtime.attention)
 }
 NORM_OPS = {
     "native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_functional",

@@ -1,13 +1,108 @@
-"""passes/ never imports ampgraph; importing either pulls in nothing heavy."""
+"""The import rules of docs/architecture.md: which folder may import which.
+
+``passes/`` never imports ``ampgraph``; inside ``ampgraph/`` each subpackage imports only the
+layers below it (the table :data:`MAY_IMPORT`); importing either package pulls in nothing
+heavy. Every import statement counts, including those inside functions (lazy imports are
+still dependencies).
+"""
 
 from __future__ import annotations
 
+import ast
 import pathlib
-import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+CORE = "core"  # ampgraph's top-level modules: api, config, capture, module, report
+ROOT_PACKAGE = "ampgraph"  # `import ampgraph` / `from ampgraph import x`: the whole public API
+
+# unit -> the units it may import (besides itself and passes/). Mirrors docs/architecture.md.
+MAY_IMPORT: dict[str, set[str]] = {
+    "runtime": set(),
+    CORE: {"runtime"},
+    "monitor": set(),
+    "onnx": {CORE},
+    "train": {CORE, "runtime", "monitor", ROOT_PACKAGE},
+    "cli": {CORE, "runtime", "monitor", "onnx", "train", ROOT_PACKAGE},
+    "integrations": {CORE, "runtime", "monitor", "onnx", "train", ROOT_PACKAGE},
+    # entry points: the package's own __init__/__main__ and the demo script
+    "entry": {CORE, "runtime", "monitor", "onnx", "train", "cli", ROOT_PACKAGE},
+}
+SUBPACKAGES = {"runtime", "monitor", "onnx", "train", "cli", "integrations"}
+
+
+def unit_of_file(path: pathlib.Path) -> str:
+    parts = path.relative_to(ROOT / "ampgraph").parts
+    if len(parts) > 1:
+        return parts[0]
+    return "entry" if parts[0] in ("__init__.py", "__main__.py", "demo.py") else CORE
+
+
+def unit_of_import(name: str) -> str:
+    parts = name.split(".")
+    if len(parts) == 1:
+        return ROOT_PACKAGE
+    return parts[1] if parts[1] in SUBPACKAGES else CORE
+
+
+def imported_names(path: pathlib.Path) -> list[tuple[int, str]]:
+    """(line, dotted module) of every import in ``path``; ``from a import b`` may be a module."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.append((node.lineno, node.module))
+            if node.module == "ampgraph":  # from ampgraph import cli -> ampgraph.cli
+                out += [(node.lineno, f"ampgraph.{a.name}") for a in node.names
+                        if a.name in SUBPACKAGES]
+    return out
+
+
+def violations(files: list[pathlib.Path]) -> list[str]:
+    found = []
+    for path in files:
+        unit = unit_of_file(path)
+        for line, name in imported_names(path):
+            if name.split(".")[0] != "ampgraph":
+                continue
+            target = unit_of_import(name)
+            if target != unit and target not in MAY_IMPORT[unit]:
+                found.append(f"{path.relative_to(ROOT)}:{line}: {unit} imports {name}")
+    return found
+
+
+def test_every_ampgraph_subpackage_has_a_rule():
+    dirs = {p.name for p in (ROOT / "ampgraph").iterdir() if (p / "__init__.py").exists()}
+    assert dirs == SUBPACKAGES
+
+
+def test_ampgraph_folders_import_only_the_layers_below_them():
+    assert violations(sorted((ROOT / "ampgraph").rglob("*.py"))) == []
+
+
+def test_the_rule_checker_catches_a_violation(tmp_path, monkeypatch):
+    fake = tmp_path / "ampgraph" / "runtime" / "bad.py"
+    fake.parent.mkdir(parents=True)
+    fake.write_text("def f():\n    from ampgraph.cli.main import main\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert violations([fake]) == ["ampgraph/runtime/bad.py:2: runtime imports ampgraph.cli.main"]
+
+
+def test_ampgraph_top_level_stays_small():
+    top = [p.name for p in (ROOT / "ampgraph").glob("*.py")]
+    assert len(top) <= 10, top
+
+
+@pytest.mark.parametrize("package", ["ampgraph", "passes"])
+def test_no_source_file_is_over_450_lines(package):
+    long = {str(p.relative_to(ROOT)): n for p in (ROOT / package).rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 450}
+    assert long == {}
 
 
 def run(code: str) -> str:
@@ -22,13 +117,20 @@ def test_import_passes_does_not_import_ampgraph():
 
 
 def test_no_source_file_in_passes_mentions_an_ampgraph_import():
-    pattern = re.compile(r"^\s*(from|import)\s+ampgraph", re.M)
-    offenders = [p for p in (ROOT / "passes").rglob("*.py") if pattern.search(p.read_text())]
+    offenders = [f"{p.relative_to(ROOT)}:{line}" for p in (ROOT / "passes").rglob("*.py")
+                 for line, name in imported_names(p) if name.split(".")[0] == "ampgraph"]
+    assert offenders == []
+
+
+@pytest.mark.parametrize("dialect, other", [("fx", "onnx"), ("onnx", "fx")])
+def test_pass_dialects_do_not_import_each_other(dialect, other):
+    offenders = [f"{p.relative_to(ROOT)}:{line}" for p in (ROOT / "passes" / dialect).rglob("*.py")
+                 for line, name in imported_names(p) if name.startswith(f"passes.{other}")]
     assert offenders == []
 
 
 def test_import_ampgraph_is_lean():
     out = run("import sys, ampgraph; heavy = ['transformers', 'sklearn', 'onnxruntime', "
-              "'matplotlib', 'hypothesis', 'onnxconverter_common']; "
-              "print([m for m in heavy if m in sys.modules])")
+              "'matplotlib', 'hypothesis', 'onnxconverter_common', 'lightning', "
+              "'accelerate']; print([m for m in heavy if m in sys.modules])")
     assert out == "[]"

@@ -1,0 +1,200 @@
+"""The unfused CPU attention (ampgraph.runtime.attention) against aten and an fp64 reference."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import ampgraph
+from ampgraph.cli.analysis import node_flops
+from ampgraph.runtime.attention import amp_attention, unfused_pays
+from models import bert_encoder
+from tests.helpers import record
+
+BF16 = torch.bfloat16
+
+
+def qkv(n=4, h=2, t=16, d=16, s=None, dtype=BF16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(n, h, t, d), (n, h, s or t, d), (n, h, s or t, d)]
+    return [(torch.randn(sh, generator=g) * 1.5).to(dtype).requires_grad_() for sh in shapes]
+
+
+def masks(n, t, s):
+    additive = torch.zeros(n, 1, 1, s, dtype=BF16)
+    additive[:, :, :, s * 3 // 4:] = -10000.0
+    boolean = torch.rand(n, 1, t, s, generator=torch.Generator().manual_seed(1)) > 0.3
+    boolean[0, 0, 2] = False  # a row with every key masked
+    return {"none": (None, False), "additive": (additive, False), "bool": (boolean, False),
+            "causal": (None, True)}
+
+
+def errors(fn, q, k, v, mask, causal, grad):
+    """Relative errors of fn's output and q/k/v gradients against fp64 aten."""
+    ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_mask = mask.double() if mask is not None and mask.is_floating_point() else mask
+    ref = F.scaled_dot_product_attention(*ref_in, ref_mask, is_causal=causal)
+    ref.backward(grad.double())
+    for t in (q, k, v):
+        t.grad = None
+    out = fn(q, k, v, mask, is_causal=causal)
+    out.backward(grad)
+    pairs = [(out, ref)] + [(t.grad, r.grad) for t, r in zip((q, k, v), ref_in)]
+    return [((a.double() - b).norm() / b.norm().clamp_min(1e-30)).item() for a, b in pairs]
+
+
+@pytest.mark.parametrize("kind", ["none", "additive", "bool", "causal"])
+def test_unfused_attention_is_as_accurate_as_the_fused_kernel(kind):
+    q, k, v = qkv()
+    mask, causal = masks(4, 16, 16)[kind]
+    assert unfused_pays(q, k, v, mask, 0.0, False)
+    grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(2)).to(BF16)
+
+    def fused(*a, **kw):
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            return F.scaled_dot_product_attention(*a, **kw)
+
+    assert "ampgraph_attention" in amp_attention(q, k, v, mask, is_causal=causal
+                                                 ).grad_fn.name()  # the unfused op ran
+    ours = errors(amp_attention, q, k, v, mask, causal, grad)
+    theirs = errors(fused, q, k, v, mask, causal, grad)
+    for mine, aten_err in zip(ours, theirs):  # output, dq, dk, dv
+        assert mine <= 1.5 * aten_err + 1e-3, (ours, theirs)
+        assert mine < 2e-2
+
+
+@pytest.mark.parametrize("t,s", [(4, 8), (8, 4)])
+def test_causal_with_unequal_query_and_key_lengths_is_top_left_aligned(t, s):
+    q, k, v = qkv(n=2, h=2, t=t, s=s, d=8)
+    assert unfused_pays(q, k, v, None, 0.0, False)
+    ours = amp_attention(q, k, v, is_causal=True)
+    ref = F.scaled_dot_product_attention(*(x.detach().double() for x in (q, k, v)),
+                                         is_causal=True)
+    assert "ampgraph_attention" in ours.grad_fn.name()
+    assert torch.allclose(ours.double(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_rows_with_every_key_masked_give_zeros_and_zero_gradients():
+    q, k, v = qkv(n=1, h=1, t=4, d=8)
+    mask = torch.ones(1, 1, 4, 4, dtype=torch.bool)
+    mask[0, 0, 1] = False
+    out = amp_attention(q, k, v, mask)
+    assert torch.equal(out[0, 0, 1], torch.zeros(8, dtype=BF16))
+    out.float().sum().backward()
+    assert torch.equal(q.grad[0, 0, 1], torch.zeros(8, dtype=BF16))
+    assert torch.isfinite(k.grad).all() and torch.isfinite(v.grad).all()
+
+
+def test_nan_inputs_still_reach_the_output():
+    q, k, v = qkv(n=1, h=1, t=4, d=8)
+    with torch.no_grad():
+        q[0, 0, 0, 0] = float("nan")
+    assert torch.isnan(amp_attention(q, k, v)[0, 0, 0]).all()
+
+
+def test_inference_keeps_the_fused_kernel():
+    q, k, v = qkv()
+    mask = masks(4, 16, 16)["additive"][0]
+    with torch.no_grad():
+        assert torch.equal(amp_attention(q, k, v, mask), F.scaled_dot_product_attention(
+            q, k, v, mask))
+
+
+@pytest.mark.parametrize("kind", ["additive", "bool", "causal"])
+def test_the_custom_ops_pass_opcheck(kind):
+    """Fake kernels (strides included: torch.compile checks them), autograd registration
+    and schema agree with the real kernels."""
+    q, k, v = qkv(n=2, h=2, t=8, d=8)
+    mask, causal = masks(2, 8, 8)[kind]
+    q, k, v = (t.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
+               for t in (q, k, v))  # permuted strides, as a projection's views
+    torch.library.opcheck(torch.ops.ampgraph.attention.default, (q, k, v, mask, causal, 0.35))
+    out, p = torch.ops.ampgraph.attention(q, k, v, mask, causal, 0.35)
+    torch.library.opcheck(torch.ops.ampgraph.attention_backward.default,
+                          (torch.randn_like(out), q.detach(), k.detach(), v.detach(), p, 0.35))
+
+
+@pytest.mark.parametrize("case", ["more keys than head dim", "dropout", "fp16", "fp32",
+                                  "mask wants a gradient", "grouped heads", "fp32 mask",
+                                  "no keys"])
+def test_other_calls_go_to_aten_unchanged(case):
+    q, k, v = qkv(t=16, d=16, s={"more keys than head dim": 32, "no keys": 0}.get(case),
+                  dtype=torch.float16 if case == "fp16" else
+                  torch.float32 if case == "fp32" else BF16)
+    mask, dropout, gqa = None, 0.0, False
+    if case == "dropout":
+        dropout = 0.1
+    if case == "mask wants a gradient":
+        mask = torch.zeros(4, 1, 1, 16, dtype=BF16, requires_grad=True)
+    if case in ("fp32 mask", "no keys"):
+        mask = torch.zeros(4, 1, 1, k.shape[-2])
+    if case == "grouped heads":
+        k, v = (t.detach()[:, :1].requires_grad_() for t in (k, v))
+        gqa = True
+    assert not unfused_pays(q, k, v, mask, dropout, gqa)
+    torch.manual_seed(0)
+    ours = amp_attention(q, k, v, mask, dropout, enable_gqa=gqa)
+    torch.manual_seed(0)
+    ref = F.scaled_dot_product_attention(q, k, v, mask, dropout, enable_gqa=gqa)
+    assert torch.equal(ours, ref)
+
+
+def test_o2_routes_bert_attention_and_trains_like_fp32():
+    torch.manual_seed(0)
+    model = bert_encoder.make_model()  # head dim 16, 16 tokens: unfused
+    ids, mask = bert_encoder.example_inputs(4)
+    ref = copy.deepcopy(model)
+    amp = ampgraph.compile(model, "O2", BF16)
+    out, rec = record(lambda: amp(ids, mask))
+    assert [d for n, d in rec.calls if n == "attention"] == [[BF16] * 4] * 2  # 2 layers
+    (part,) = [c for _, c in amp.amp_parts()[0]]
+    targets = [n.target for n in part.gm.graph.nodes if n.op == "call_function"]
+    assert amp_attention in targets
+    assert torch.ops.aten.scaled_dot_product_attention.default not in targets
+    routed = next(n for n in part.gm.graph.nodes if n.target is amp_attention)
+    flops = node_flops(routed)
+    routed.target = torch.ops.aten.scaled_dot_product_attention.default
+    assert flops == node_flops(routed) > 0  # a routed node counts as attention in reports
+    routed.target = amp_attention
+    ref_out = ref(ids, mask)
+    assert (out.float() - ref_out).norm() / ref_out.norm() < 3e-2
+    out.float().sum().backward()
+    ref_out.sum().backward()
+    for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+        assert p.grad is not None and p.grad.dtype == torch.float32, name
+        assert (p.grad - r.grad).norm() <= 0.05 * r.grad.norm() + 1e-6, name
+
+
+def test_a_torch_compile_backend_traces_the_routed_attention():
+    """backend= hands the rewritten graph to torch.compile; AOTAutograd traces the custom
+    ops through their fake kernels (aot_eager: no C++ compiler needed)."""
+    torch.manual_seed(0)
+    model = bert_encoder.make_model()
+    ids, mask = bert_encoder.example_inputs(4)
+    eager = ampgraph.compile(copy.deepcopy(model), "O2", BF16)
+    traced = ampgraph.compile(model, "O2", BF16, backend="aot_eager")
+    outs = []
+    for net in (eager, traced):
+        out = net(ids, mask)
+        out.float().sum().backward()
+        outs.append(out)
+    (part,) = [c for _, c in traced.amp_parts()[0]]
+    assert amp_attention in [n.target for n in part.gm.graph.nodes]
+    assert torch.allclose(outs[0], outs[1], rtol=2e-2, atol=2e-2)
+    for p, r in zip(traced.parameters(), eager.parameters()):
+        assert (p.grad - r.grad).norm() <= 0.02 * r.grad.norm() + 1e-6
+
+
+def test_the_routed_function_takes_aten_arguments_by_their_names():
+    """Graph nodes may pass any argument by keyword: the names must be aten's."""
+    import inspect
+
+    schema = torch.ops.aten.scaled_dot_product_attention.default._schema
+    params = inspect.signature(amp_attention).parameters
+    assert list(params) == [a.name for a in schema.arguments]
+    assert [p.kind == p.KEYWORD_ONLY for p in params.values()] == [
+        a.kwarg_only for a in schema.arguments]

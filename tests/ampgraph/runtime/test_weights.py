@@ -1,0 +1,214 @@
+"""Linear layers with the weight cast fused in: gradients computed block by block into the
+master's gradient buffer through a small pooled scratch."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from ampgraph.runtime.weights import WeightCache
+from passes.fx import run_amp_passes
+from passes.policy import make_policy
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 8)
+
+    def forward(self, x):
+        h = torch.relu(self.fc1(x))
+        h = self.fc2(h) + self.fc2(h * 2)  # a weight used twice: one cast, two linears
+        return self.fc3(torch.relu(h))
+
+
+def compiled(model, x, fused):
+    gm = torch.export.export(model, (x,), strict=False).module()
+    cache = WeightCache()
+    run_amp_passes(gm, make_policy("O2"), torch.bfloat16, weight_cast=cache.cast,
+                   linear=cache.amp_linear if fused else None,
+                   embedding=cache.amp_embedding if fused else None)
+    return gm, cache
+
+
+@pytest.mark.parametrize("block", [None, 40])  # one block, or 2-3 rows per block
+def test_routed_linears_give_the_same_outputs_and_gradients_as_aten_linear(block, monkeypatch):
+    import ampgraph.runtime.weights as weights
+
+    if block is not None:
+        monkeypatch.setattr(weights, "SCRATCH_NUMEL", block)
+    torch.manual_seed(0)
+    for shape in ((5, 16), (2, 3, 16)):  # 2-D and batched inputs
+        model = Net()
+        x = torch.randn(*shape)
+        fused, cache = compiled(model, x, True)
+        plain, _ = compiled(copy.deepcopy(model), x, False)
+        targets = [n.target for n in fused.graph.nodes if n.op == "call_function"]
+        assert targets.count(cache.amp_linear) == 2, "fc1 and fc3; fc2's cast is shared"
+        assert targets.count(torch.ops.aten.linear.default) == 2
+        routed = [n for n in fused.graph.nodes if n.target == cache.amp_linear]
+        assert all(n.args[1].op == n.args[2].op == "get_attr" for n in routed), \
+            "weight and bias casts happen inside the linear"
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        out_a, out_b = fused(xa), plain(xb)
+        torch.testing.assert_close(out_a, out_b, rtol=0, atol=0)
+        out_a.square().sum().backward()
+        out_b.square().sum().backward()
+        torch.testing.assert_close(xa.grad, xb.grad)
+        for (name, p), q in zip(fused.named_parameters(), plain.parameters()):
+            assert p.grad.dtype == torch.float32
+            torch.testing.assert_close(p.grad, q.grad, msg=name)  # same bf16 roundings
+        if block is not None:  # blocks of rows (forward, weight gradient), of columns (dx)
+            assert {k[0] for k in cache._scratch} == {(2, 16), (32, 1), (1, 32), (8, 5)}
+            assert not any(key[0] == "train" and t.shape == (32, 16)
+                           for _, per in cache._slots.values() for key, (t, _) in per.items()), \
+                "a blocked weight has no whole working copy"
+
+
+def test_gradient_buffers_and_scratch_are_reused_across_steps(monkeypatch):
+    import ampgraph.runtime.weights as weights
+
+    monkeypatch.setattr(weights, "SCRATCH_NUMEL", 64)
+    torch.manual_seed(0)
+    model = Net()
+    x = torch.randn(4, 16)
+    gm, cache = compiled(model, x, True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    seen = []
+    for _ in range(4):
+        opt.zero_grad(set_to_none=True)
+        gm(x).square().mean().backward()
+        opt.step()
+        seen.append(([p.grad.data_ptr() for p in model.parameters()],
+                     {k: [b.data_ptr() for b, _ in pool] for k, pool in cache._scratch.items()}))
+    assert seen[1] == seen[2] == seen[3], "steady state: no new gradient or scratch buffers"
+    assert all(len(pool) == 1 for pool in cache._scratch.values())
+
+
+def test_two_forwards_then_one_backward_with_routed_linears():
+    torch.manual_seed(0)
+    model = Net()
+    x1, x2 = torch.randn(3, 16), torch.randn(3, 16)
+    gm, _ = compiled(model, x1, True)
+    ref, _ = compiled(copy.deepcopy(model), x1, False)
+    (gm(x1).square().sum() + gm(x2).square().sum()).backward()
+    (ref(x1).square().sum() + ref(x2).square().sum()).backward()
+    for p, q in zip(gm.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_blocked_linear_checks_the_master_is_unchanged_before_backward(monkeypatch):
+    import ampgraph.runtime.weights as weights
+
+    monkeypatch.setattr(weights, "SCRATCH_NUMEL", 40)
+    model = Net()
+    x = torch.randn(3, 16)
+    gm, _ = compiled(model, x, True)
+    loss = gm(x).square().sum()
+    with torch.no_grad():
+        model.fc1.weight.add_(1.0)  # an update between forward and backward, as for fp32
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_a_large_linear_keeps_no_whole_low_precision_copy_of_its_weight():
+    """Peak live tensors of a steady-state step, counted from before the first step (so
+    buffers kept between steps count): the fp32 gradient plus less than a bf16 copy."""
+    import time
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1024, 2048), nn.ReLU(), nn.Linear(2048, 8))
+    x = torch.randn(8, 1024)
+    gm, _ = compiled(model, x, True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                profile_memory=True) as prof:
+        for step in range(3):
+            if step == 2:
+                t_last = time.time_ns()
+            model.zero_grad(set_to_none=True)  # the cache keeps the gradient buffers
+            gm(x).square().mean().backward()
+    live = peak = 0
+    for t, n in sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                       if e.name() == "[memory]"):
+        live += n
+        if t >= t_last:
+            peak = max(peak, live)
+    grad_bytes = sum(p.numel() * 4 for p in model.parameters())
+    weight_low_bytes = 2048 * 1024 * 2
+    assert grad_bytes < peak < grad_bytes + weight_low_bytes, (peak, grad_bytes)
+
+
+def test_training_drops_the_inference_copies(monkeypatch):
+    import ampgraph.runtime.weights as weights
+
+    monkeypatch.setattr(weights, "SCRATCH_NUMEL", 40)  # fc1/fc3 blocked, fc2 cast whole
+    model = Net()
+    x = torch.randn(3, 16)
+    gm, cache = compiled(model, x, True)
+    with torch.no_grad():
+        gm(x)
+
+    def kinds():
+        return sorted(key[0] for _, per in cache._slots.values() for key in per)
+
+    assert kinds().count("infer") == 6  # every weight and bias
+    gm(x).sum().backward()
+    assert "infer" not in kinds()
+
+
+class Tokens(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 16, padding_idx=3)
+        self.pos = nn.Embedding(8, 16)
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, ids):
+        return self.fc(self.emb(ids) + self.pos.weight[: ids.shape[1]])
+
+
+def test_embedding_gradients_go_into_persistent_buffers_with_the_same_sums():
+    torch.manual_seed(0)
+    model = Tokens()
+    ids = torch.randint(0, 12, (4, 8))  # repeated rows and the padding row
+    ids[0, :3] = 3
+    gm, cache = compiled(model, ids, True)
+    plain, _ = compiled(copy.deepcopy(model), ids, False)
+    (emb,) = [n for n in gm.graph.nodes if n.target == cache.amp_embedding]
+    assert emb.meta["amp_orig_op"] == "aten.embedding" and emb.args[0].target == "emb.weight"
+    ptrs = []
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        plain.zero_grad(set_to_none=True)
+        out_a, out_b = gm(ids), plain(ids)
+        torch.testing.assert_close(out_a, out_b, rtol=0, atol=0)
+        out_a.square().sum().backward()
+        out_b.square().sum().backward()
+        g, ref = model.emb.weight.grad, dict(plain.named_parameters())["emb.weight"].grad
+        assert torch.equal(g, ref), "index_add_ makes aten's sums in aten's order"
+        assert not g[3].any(), "the padding row gets no gradient"
+        ptrs.append(g.data_ptr())
+        del g, ref  # held here, the buffer could not be reused
+    assert ptrs[1] == ptrs[2], "steady state: the same buffer every step"
+    kept = model.emb.weight.grad  # a gradient the user keeps is not overwritten
+    model.emb.weight.grad = None
+    before = kept.clone()
+    gm(ids).square().sum().backward()
+    assert torch.equal(kept, before) and model.emb.weight.grad.data_ptr() != kept.data_ptr()
+    with torch.no_grad():  # inference: the plain lookup
+        torch.testing.assert_close(gm(ids), plain(ids), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kwargs", [dict(scale_grad_by_freq=True), dict(sparse=True)])
+def test_embeddings_wanting_special_gradients_keep_aten(kwargs):
+    model = nn.Sequential(nn.Embedding(20, 8, **kwargs), nn.Linear(8, 2))
+    ids = torch.randint(0, 20, (2, 5))
+    gm, cache = compiled(model, ids, True)
+    targets = [n.target for n in gm.graph.nodes]
+    assert cache.amp_embedding not in targets and aten_embedding in targets
+
+
+aten_embedding = torch.ops.aten.embedding.default
