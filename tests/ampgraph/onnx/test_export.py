@@ -1,0 +1,86 @@
+"""export_onnx with keyword inputs (HF models), dynamic batch and sequence, and the
+TorchScript exporter as a fallback when the dynamo exporter fails."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ampgraph.onnx import export_onnx, onnx_session
+
+transformers = pytest.importorskip("transformers")
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = a.astype(np.float64).ravel(), b.astype(np.float64).ravel()
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+def bert():
+    torch.manual_seed(0)
+    return transformers.BertForSequenceClassification(transformers.BertConfig(
+        vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, max_position_embeddings=64, num_labels=3)).eval()
+
+
+def gpt2():
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=100, n_embd=32, n_layer=2, n_head=4, n_positions=64, use_cache=False)).eval()
+
+
+def tokens(n: int, seq: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(n * 100 + seq)
+    mask = torch.ones(n, seq, dtype=torch.long)
+    mask[0, seq - 2:] = 0
+    return {"input_ids": torch.randint(1, 100, (n, seq), generator=g), "attention_mask": mask}
+
+
+def check(model, path, feeds_at, output: str) -> None:
+    session = onnx_session(str(path), device="cpu")
+    assert [i.name for i in session.get_inputs()] == ["input_ids", "attention_mask"]
+    for n, seq in [(2, 8), (3, 13)]:  # batch and sequence stay dynamic
+        inputs = feeds_at(n, seq)
+        (got, *_) = session.run(None, {k: v.numpy() for k, v in inputs.items()})
+        with torch.no_grad():
+            ref = getattr(model(**inputs), output).numpy()
+        assert got.shape == ref.shape and cosine(got, ref) >= 0.99
+
+
+@pytest.mark.parametrize("make, output", [(bert, "logits"), (gpt2, "logits")])
+def test_keyword_inputs_with_dynamic_batch_and_sequence(tmp_path, make, output):
+    model = make()
+    path = tmp_path / "model.onnx"
+    export_onnx(model, (), path, amp_level="O2", dtype="fp16", kwargs=tokens(2, 8))
+    check(model, path, tokens, output)
+
+
+def test_dynamo_failure_falls_back_to_torchscript_with_a_warning(tmp_path, monkeypatch):
+    model = bert()
+    real = torch.onnx.export
+
+    def dynamo_breaks(*args, **kwargs):
+        if kwargs.get("dynamo", True):
+            raise RuntimeError("decomposition failed (injected)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.onnx, "export", dynamo_breaks)
+    path = tmp_path / "model.onnx"
+    with pytest.warns(UserWarning, match=r"dynamo exporter failed \(RuntimeError: "
+                                         r"decomposition failed \(injected\)\); exported with "
+                                         r"the TorchScript exporter"):
+        export_onnx(model, (), path, kwargs=tokens(2, 8))
+    check(model, path, tokens, "logits")
+
+
+def test_both_exporters_failing_names_both_causes(tmp_path, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("dynamo" if kwargs.get("dynamo", True) else "torchscript")
+
+    monkeypatch.setattr(torch.onnx, "export", broken)
+    with pytest.warns(UserWarning), pytest.raises(RuntimeError, match=(
+            r"dynamo exporter failed \(RuntimeError: dynamo\) and so did the TorchScript "
+            r"exporter \(RuntimeError: torchscript\)")):
+        export_onnx(bert(), (), tmp_path / "m.onnx", kwargs=tokens(2, 8))
+    assert not (tmp_path / "m.onnx").exists()
