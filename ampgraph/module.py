@@ -22,7 +22,14 @@ from torch import fx, nn
 
 from ampgraph._attention import amp_attention
 from ampgraph._weights import WeightCache
-from ampgraph.capture import Captured, export_module, share_state, signature, unflatten_output
+from ampgraph.capture import (
+    Captured,
+    export_module,
+    preserved_global_state,
+    share_state,
+    signature,
+    unflatten_output,
+)
 from ampgraph.config import AmpConfig, dtype_name
 from passes.fx import run_amp_passes
 from passes.fx.casts import dtype_of
@@ -151,6 +158,12 @@ class AmpModule(nn.Module):
             return compiled
 
     def _capture(self, args: tuple, kwargs: dict) -> Compiled | None:
+        # export and the passes both trace or re-run the model's ops; neither may leave
+        # grad mode, autocast, inference mode, the default dtype or the RNG changed
+        with preserved_global_state():
+            return self._capture_unguarded(args, kwargs)
+
+    def _capture_unguarded(self, args: tuple, kwargs: dict) -> Compiled | None:
         model = self._amp_model
         model.train(self.training)
         try:
