@@ -150,7 +150,11 @@ class AmpModule(nn.Module):
         with self._amp_lock:
             if self._amp_eager is not None:
                 return None
-            key = (self.training, signature(args, kwargs))
+            try:
+                key = (self.training, signature(args, kwargs))
+            except Exception as exc:  # e.g. a cache whose layer types its flatten refuses
+                self._go_eager(f"inputs cannot be flattened: {_first_line(exc)}")
+                return None
             graphs = self._amp_graphs.setdefault(key, [])
             for compiled in graphs:
                 if compiled.captured.accepts(args, kwargs):
