@@ -11,6 +11,7 @@ its own (recursively), and ``explain`` says which parts stayed eager and why.
 from __future__ import annotations
 
 import copy
+import functools
 import threading
 import warnings
 from collections import OrderedDict
@@ -20,7 +21,13 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from ampgraph.capture import Captured, export_module, share_state, signature, unflatten_output
+from ampgraph.capture import (
+    Captured,
+    export_module,
+    preserved_global_state,
+    share_state,
+    signature,
+)
 from ampgraph.config import AmpConfig, dtype_name
 from ampgraph.runtime.attention import amp_attention
 from ampgraph.runtime.weights import WeightCache
@@ -30,6 +37,10 @@ from passes.fx.graph import module_info, op_key
 from passes.policy import FP32, LOW, NA
 
 MAX_GRAPHS_PER_SIGNATURE = 8
+
+# Methods of the wrapped model that call ``self(...)`` (HuggingFace ``generate``): run on
+# a stand-in of the model whose forward is the compiled one, see :func:`_call_routed`.
+ROUTED_METHODS = frozenset({"generate"})
 
 
 @dataclass
@@ -77,7 +88,10 @@ class AmpModule(nn.Module):
             model = self.__dict__.get("_amp_model")
             if model is None:
                 raise
-            return getattr(model, name)
+            attr = getattr(model, name)
+            if name in ROUTED_METHODS and getattr(attr, "__self__", None) is model:
+                return functools.partial(_call_routed, self, name)
+            return attr
 
     @property
     def training(self) -> bool:
@@ -130,13 +144,17 @@ class AmpModule(nn.Module):
         if compiled is None:
             return self._amp_eager(*args, **kwargs)
         flat = compiled.runner(tuple(args), dict(kwargs))
-        return unflatten_output(compiled.captured.out_spec, flat)
+        return compiled.captured.rebuild(flat, args, kwargs)
 
     def _compiled_for(self, args: tuple, kwargs: dict) -> Compiled | None:
         with self._amp_lock:
             if self._amp_eager is not None:
                 return None
-            key = (self.training, signature(args, kwargs))
+            try:
+                key = (self.training, signature(args, kwargs))
+            except Exception as exc:  # e.g. a cache whose layer types its flatten refuses
+                self._go_eager(f"inputs cannot be flattened: {_first_line(exc)}")
+                return None
             graphs = self._amp_graphs.setdefault(key, [])
             for compiled in graphs:
                 if compiled.captured.accepts(args, kwargs):
@@ -151,6 +169,12 @@ class AmpModule(nn.Module):
             return compiled
 
     def _capture(self, args: tuple, kwargs: dict) -> Compiled | None:
+        # export and the passes both trace or re-run the model's ops; neither may leave
+        # grad mode, autocast, inference mode, the default dtype or the RNG changed
+        with preserved_global_state():
+            return self._capture_unguarded(args, kwargs)
+
+    def _capture_unguarded(self, args: tuple, kwargs: dict) -> Compiled | None:
         model = self._amp_model
         model.train(self.training)
         try:
@@ -219,6 +243,48 @@ class AmpModule(nn.Module):
             graphs += g
             eager += e
         return graphs, eager
+
+
+def _call_routed(amp: AmpModule, name: str, *args: Any, **kwargs: Any) -> Any:
+    """``amp._amp_model.<name>(*args, **kwargs)`` with every ``self(...)`` and
+    ``self.forward(...)`` inside it running ``amp``'s compiled graphs.
+
+    HuggingFace's ``generate`` calls the model object it is bound to, so calling it on the
+    wrapped model would run the fp32 model. It runs instead on a stand-in: an instance of
+    a subclass of the model's class (so ``isinstance`` and ``super()`` hold) whose
+    ``forward`` is ``amp`` and keeps the model's signature, with a copy of the model's
+    ``__dict__`` (the same parameters, submodules, config and generation config). The
+    model's own object is not touched while it runs (other threads may call it); plain
+    attributes the method set on the stand-in are copied back to the model after it.
+    """
+    model = amp._amp_model
+    stand_in = object.__new__(_routed_class(type(model)))
+    state = model.__dict__
+    stand_in.__dict__.update(state)
+    stand_in.__dict__["_amp_route"] = amp
+    try:
+        return getattr(stand_in, name)(*args, **kwargs)
+    finally:
+        for key, value in stand_in.__dict__.items():
+            if key != "_amp_route" and state.get(key, _MISSING) is not value:
+                state[key] = value
+
+
+_MISSING = object()
+_ROUTED_CLASSES: dict[type, type] = {}
+
+
+def _routed_class(cls: type) -> type:
+    routed = _ROUTED_CLASSES.get(cls)
+    if routed is None:
+        def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            return self.__dict__["_amp_route"](*args, **kwargs)
+
+        functools.update_wrapper(forward, cls.forward)  # HF inspects forward's parameters
+        routed = _ROUTED_CLASSES[cls] = type(cls.__name__, (cls,), {
+            "forward": forward, "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__})
+    return routed
 
 
 def _amp_children(module: nn.Module) -> list[AmpModule]:
