@@ -1,0 +1,37 @@
+"""Capture a module with torch.export and keep one graph per (mode, input structure).
+
+- ``export``: the exported root taking ``(args, kwargs)``, ``export_module``, ``Captured``;
+- ``structure``: flattening outputs (and inputs) of any structure, rebuilding them;
+- ``hf_caches``: HuggingFace cache objects as pytree nodes;
+- ``no_grad``: ``no_grad`` regions inlined into the graph;
+- ``state``: ``preserved_global_state``, around every export attempt.
+"""
+
+from __future__ import annotations
+
+from ampgraph.capture.export import (
+    Captured,
+    ExportRoot,
+    dynamic_spec,
+    export_module,
+    quiet_export_logs,
+    share_state,
+    signature,
+)
+from ampgraph.capture.hf_caches import register_hf_caches
+from ampgraph.capture.state import preserved_global_state
+from ampgraph.capture.structure import flatten_output, unflatten_output
+
+__all__ = [
+    "Captured",
+    "ExportRoot",
+    "dynamic_spec",
+    "export_module",
+    "flatten_output",
+    "preserved_global_state",
+    "quiet_export_logs",
+    "register_hf_caches",
+    "share_state",
+    "signature",
+    "unflatten_output",
+]

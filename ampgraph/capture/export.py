@@ -1,0 +1,232 @@
+"""torch.export of a module as a root taking ``(args, kwargs)`` and returning a flat tuple, so
+any forward signature and output structure work; one :class:`Captured` graph per
+(mode, input structure)."""
+
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import logging
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.export import Dim
+from torch.utils import _pytree as pytree
+from torch.utils._pytree import tree_flatten
+
+from ampgraph.capture.hf_caches import register_hf_caches
+from ampgraph.capture.no_grad import inline_no_grad_regions
+from ampgraph.capture.state import preserved_global_state
+from ampgraph.capture.structure import (
+    BUILTIN_NODE_TYPES,
+    Flattener,
+    assign_contents,
+    contents_changed,
+    custom_objects,
+    spec_uses_inputs,
+    strip_tensors,
+    unflatten_output,
+)
+
+
+class ExportRoot(nn.Module):
+    """Exports ``model(*args, **kwargs)`` with flat outputs, sharing the model's state.
+
+    Its parameter, buffer and submodule dicts *are* the model's, so the exported graph
+    refers to the user's own Parameter objects under the user's own names.
+    """
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        share_state(self, model)
+        self.__dict__["_amp_model"] = model
+        box: dict[str, Any] = {}
+        # torch.export restores container attributes the forward mutates, so the output
+        # spec goes to a box only a closure can see.
+        self.__dict__["_record_spec"] = lambda spec: box.__setitem__("spec", spec)
+        self.__dict__["_out_spec"] = lambda: box["spec"]
+
+    def forward(self, args: tuple, kwargs: dict) -> tuple:
+        objs = custom_objects((args, kwargs))
+        before = [pytree.tree_flatten(o) for o in objs]
+        out = self.__dict__["_amp_model"](*args, **kwargs)
+        flattener = Flattener(objs)
+        spec = flattener.walk(out)
+        writeback = []
+        for k, (obj, old) in enumerate(zip(objs, before)):
+            if contents_changed(old, obj):  # e.g. a DynamicCache the model appended to
+                if not hasattr(obj, "__dict__"):
+                    raise TypeError(f"the model mutates its {type(obj).__name__} input, which "
+                                    "ampgraph cannot update in place")
+                writeback.append((k, flattener.walk_pytree(obj)))
+        self.__dict__["_record_spec"](("W", spec, writeback))
+        return tuple(flattener.leaves)
+
+
+def share_state(dst: nn.Module, src: nn.Module) -> None:
+    """Make ``dst`` see ``src``'s parameters, buffers and submodules (the same dicts)."""
+    for name in ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"):
+        dst.__dict__[name] = src.__dict__[name]
+    dst.training = src.training
+
+
+def dynamic_spec(inputs: Any) -> Any:
+    """Every dimension of every tensor input may be dynamic (export specialises as needed).
+
+    A registered pytree node that is not a built-in container (a HuggingFace cache) gets
+    the list of its children's specs, which is what torch.export expects for such types.
+    """
+    def spec(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return {i: Dim.AUTO for i in range(x.dim())}
+        if pytree.tree_is_leaf(x):
+            return None
+        node_type = pytree._get_node_type(x)
+        node = pytree.SUPPORTED_NODES[node_type]
+        children, context = node.flatten_fn(x)
+        specs = [spec(c) for c in children]
+        if node_type in BUILTIN_NODE_TYPES:
+            return node.unflatten_fn(specs, context)
+        return specs  # e.g. a cache, a ModelOutput passed back in (encoder_outputs)
+
+    return spec(inputs)
+
+
+def signature(args: tuple, kwargs: dict) -> Any:
+    """Hashable key of an input structure: pytree spec, tensor dtypes/devices/ranks,
+    non-tensor values (export bakes those in)."""
+    register_hf_caches()  # a cache input is flattened the same way here and in export
+    leaves, spec = tree_flatten((args, kwargs))
+    parts = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            parts.append(("T", leaf.dtype, leaf.device, leaf.dim()))
+        else:
+            try:
+                hash(leaf)
+                parts.append(("C", type(leaf), leaf))
+            except TypeError:
+                parts.append(("C", type(leaf), id(leaf)))
+    return (str(spec), tuple(parts))
+
+
+@dataclass
+class Captured:
+    """One exported graph and what it needs to run."""
+
+    gm: fx.GraphModule
+    out_spec: Any
+    dims: list[tuple]  # per tensor input: per dim an int (static) or (symbol, lo, hi)
+    # (index in custom_objects(inputs), spec of its new contents) for inputs the model mutates
+    writeback: list[tuple[int, Any]] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.uses_inputs = bool(self.writeback) or spec_uses_inputs(self.out_spec)
+
+    def rebuild(self, flat: Any, args: tuple, kwargs: dict) -> Any:
+        """The user's output structure from the graph's flat outputs; inputs the model
+        mutated (HuggingFace caches) are updated in place first, as eager would have."""
+        if not self.uses_inputs:
+            return unflatten_output(self.out_spec, flat)
+        objs = custom_objects((args, kwargs))
+        for k, spec in self.writeback:
+            assign_contents(objs[k], unflatten_output(spec, flat))
+        return unflatten_output(self.out_spec, flat, objs)
+
+    def accepts(self, args: tuple, kwargs: dict) -> bool:
+        """Whether the inputs' shapes satisfy what the graph was specialised on."""
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        if len(tensors) != len(self.dims):
+            return False
+        bound: dict[Any, int] = {}
+        for t, dims in zip(tensors, self.dims):
+            if t.dim() != len(dims):
+                return False
+            for size, d in zip(t.shape, dims):
+                if isinstance(d, int):
+                    if size != d:
+                        return False
+                elif d is not None:
+                    sym, lo, hi = d
+                    if bound.setdefault(sym, size) != size or not lo <= size <= hi:
+                        return False
+        return True
+
+
+def export_module(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
+    """Export ``model`` at aten level with dynamic dims; raises what torch.export raises."""
+    register_hf_caches()
+    root = ExportRoot(model)
+    inputs = (tuple(args), dict(kwargs))
+    with preserved_global_state(), quiet_export_logs():
+        ep = torch.export.export(root, inputs, dynamic_shapes=dynamic_spec(inputs),
+                                 strict=False)
+    gm = ep.module()
+    inline_no_grad_regions(gm)
+    _repoint_state(gm, model)
+    dims = []
+    ranges = {str(k): v for k, v in ep.range_constraints.items()}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" and isinstance(node.meta.get("val"), torch.Tensor):
+            dims.append(tuple(_dim_spec(s, ranges) for s in node.meta["val"].shape))
+    _, out_spec, writeback = strip_tensors(root.__dict__["_out_spec"]())
+    return Captured(gm, out_spec, dims, writeback)
+
+
+@contextlib.contextmanager
+def quiet_export_logs():
+    """Silence torch.export's own chatter: it logs each 0/1 specialisation, and prints the
+    partial graph to stderr when it fails. ampgraph reports failures itself (a warning and
+    ``explain``). Warnings raised meanwhile still reach the user."""
+    names = ("torch._export.non_strict_utils", "torch.fx.experimental.symbolic_shapes",
+             "torch._dynamo", "torch.export")
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings(record=True) as caught, \
+                contextlib.redirect_stderr(io.StringIO()):
+            warnings.simplefilter("default")
+            yield
+        for w in caught:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def _dim_spec(size: Any, ranges: dict) -> Any:
+    if isinstance(size, int):
+        return size
+    expr = size.node.expr
+    if not getattr(expr, "is_Symbol", False):
+        return None  # a derived size: the graph's own guard checks it
+    vr = ranges.get(str(expr))
+    lo = int(vr.lower) if vr is not None else 0
+    hi = float(vr.upper) if vr is not None else float("inf")
+    return (str(expr), lo, hi)
+
+
+def _repoint_state(gm: fx.GraphModule, model: nn.Module) -> None:
+    """Make the graph module use the user's Parameter/buffer objects (master weights)."""
+    for name, value in (*model.named_parameters(remove_duplicate=False),
+                        *model.named_buffers(remove_duplicate=False)):
+        owner_path, _, attr = name.rpartition(".")
+        try:
+            owner = gm.get_submodule(owner_path) if owner_path else gm
+        except AttributeError:
+            continue
+        current = owner.__dict__.get("_parameters", {}).get(attr)
+        if current is None:
+            current = owner.__dict__.get("_buffers", {}).get(attr)
+        if current is not None and current is not value:
+            if isinstance(value, nn.Parameter):
+                owner._parameters[attr] = value
+            else:
+                owner._buffers[attr] = value
