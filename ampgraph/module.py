@@ -25,7 +25,7 @@ from ampgraph._weights import WeightCache
 from ampgraph.capture import Captured, export_module, share_state, signature, unflatten_output
 from ampgraph.config import AmpConfig, dtype_name
 from passes.fx import run_amp_passes
-from passes.fx.casts import dtype_of
+from passes.fx.dtypes import dtype_of
 from passes.fx.graph import module_info, op_key
 from passes.policy import FP32, LOW, NA
 

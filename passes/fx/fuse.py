@@ -32,7 +32,7 @@ import torch
 from torch import fx
 
 from passes._infra import PassResult
-from passes.fx.casts import CAST, dtype_of, is_amp_cast
+from passes.fx.dtypes import CAST, dtype_of, is_amp_cast
 from passes.fx.graph import SHORT_NAMES, tensors
 from passes.policy import FP32, LOW
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from passes.fx.casts import annotate, count_casts, fold_casts, insert_casts
+from passes.fx.fold import count_casts, fold_casts
 from passes.fx.fuse import (
     channels_last_inputs,
     fuse_norm_casts,
@@ -22,6 +22,7 @@ from passes.fx.fuse import (
 )
 from passes.fx.graph import build_dataflow, prepare
 from passes.fx.hazards import mark_range_hazards
+from passes.fx.insert_casts import annotate, insert_casts
 from passes.fx.verify import verify
 from passes.fx.weights import route_weight_casts
 from passes.paint import Decision, paint

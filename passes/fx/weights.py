@@ -13,7 +13,7 @@ from typing import Any
 from torch import fx
 
 from passes._infra import PassResult
-from passes.fx.casts import is_amp_cast
+from passes.fx.dtypes import is_amp_cast
 
 
 def route_weight_casts(

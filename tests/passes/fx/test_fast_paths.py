@@ -15,8 +15,8 @@ import torch
 from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-import passes.fx.casts as casts
-from passes.fx.casts import annotate, dtype_of, insert_casts
+import passes.fx.propagate as casts
+from passes.fx.dtypes import dtype_of
 from passes.fx.graph import (
     _build_dataflow_unordered,
     build_dataflow,
@@ -24,6 +24,7 @@ from passes.fx.graph import (
     prepare,
 )
 from passes.fx.hazards import mark_range_hazards
+from passes.fx.insert_casts import annotate, insert_casts
 from passes.paint import paint
 from passes.policy import FP32, LOW, make_policy
 from tests.helpers import make

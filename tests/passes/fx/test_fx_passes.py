@@ -11,7 +11,8 @@ from torch import nn
 
 from passes import PassError
 from passes.fx import fold_casts, run_amp_passes, verify
-from passes.fx.casts import CAST, count_casts, is_amp_cast
+from passes.fx.dtypes import CAST, is_amp_cast
+from passes.fx.fold import count_casts
 from passes.policy import make_policy
 from tests.helpers import cosine, first_tensor, make
 
@@ -148,8 +149,9 @@ def test_inplace_activation_becomes_functional_and_runs_low():
 @pytest.mark.parametrize("level", ["O1", "O2", "O3"])
 @pytest.mark.parametrize("name", ["resnet", "unet", "bert_encoder", "gpt_decoder"])
 def test_fast_dtype_tracking_agrees_with_fake_tensor_execution(name, level):
-    from passes.fx.casts import annotate, dtype_of, insert_casts
+    from passes.fx.dtypes import dtype_of
     from passes.fx.graph import build_dataflow, prepare
+    from passes.fx.insert_casts import annotate, insert_casts
     from passes.paint import paint
 
     model, inputs = make(name)

@@ -15,8 +15,8 @@ import torch
 from torch import fx, nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from passes.fx.casts import _rewire
 from passes.fx.graph import op_key, prepare, tensors
+from passes.fx.insert_casts import _rewire
 from passes.fx.pipeline import gc_paused, run_amp_passes
 from passes.policy import make_policy
 
