@@ -12,19 +12,17 @@ import torch
 from torch import fx
 
 from passes.fx.fold import count_casts, fold_casts
-from passes.fx.fuse import (
-    channels_last_inputs,
-    fuse_norm_casts,
-    route_attention,
-    route_embeddings,
-    route_linears,
-    sink_gather_casts,
-)
+from passes.fx.fusions import channels_last_inputs, fuse_norm_casts, sink_gather_casts
 from passes.fx.graph import build_dataflow, prepare
 from passes.fx.hazards import mark_range_hazards
 from passes.fx.insert_casts import annotate, insert_casts
+from passes.fx.routing import (
+    route_attention,
+    route_embeddings,
+    route_linears,
+    route_weight_casts,
+)
 from passes.fx.verify import verify
-from passes.fx.weights import route_weight_casts
 from passes.paint import Decision, paint
 from passes.policy import LevelPolicy
 
@@ -88,7 +86,7 @@ def run_amp_passes(
             it with the same arguments instead (the runtime's choice of kernel).
         fuse_norms: let fp32 norms take and return ``low`` activations where every use
             wanted ``low``, cast 4-D inputs of convolutions to channels-last and cast
-            embedding lookups instead of their tables (``passes.fx.fuse``): same numbers,
+            embedding lookups instead of their tables (``passes.fx.fusions``): same numbers,
             fewer bytes copied.
 
     The cyclic garbage collector is off while the passes run (:func:`gc_paused`).

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from passes.fx import run_amp_passes
+from passes.fx.capabilities import _mixed_io_supported
 from passes.fx.dtypes import dtype_of, is_amp_cast
-from passes.fx.fuse import _mixed_io_supported
 from passes.policy import make_policy
 from tests.helpers import NORM_OPS, record
 
