@@ -32,7 +32,7 @@ from ampgraph.config import AmpConfig, dtype_name
 from ampgraph.runtime.attention import amp_attention
 from ampgraph.runtime.weights import WeightCache
 from passes.fx import run_amp_passes
-from passes.fx.casts import dtype_of
+from passes.fx.dtypes import dtype_of
 from passes.fx.graph import module_info, op_key
 from passes.policy import FP32, LOW, NA
 

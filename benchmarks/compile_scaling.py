@@ -41,9 +41,10 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from passes.fx.casts import annotate, count_casts, fold_casts, insert_casts  # noqa: E402
+from passes.fx.fold import count_casts, fold_casts  # noqa: E402
 from passes.fx.graph import build_dataflow, prepare  # noqa: E402
 from passes.fx.hazards import mark_range_hazards  # noqa: E402
+from passes.fx.insert_casts import annotate, insert_casts  # noqa: E402
 from passes.fx.pipeline import gc_paused  # noqa: E402
 from passes.fx.verify import verify  # noqa: E402
 from passes.paint import paint  # noqa: E402

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from types import TracebackType
 from typing import Any
 
 
@@ -33,11 +34,62 @@ class ConstantRangeWarning(UserWarning):
     """A constant outside the low dtype's range was clamped (or kept its consumer fp32)."""
 
 
+def named(name: str, fn: Callable[..., PassResult], *args: Any, **kwargs: Any
+          ) -> Callable[[Any], PassResult]:
+    """``fn`` with its other arguments bound, as a one-argument pass called ``name``.
+
+    Example:
+        >>> PassManager([named("insert_casts", insert_casts, torch.bfloat16)]).run(gm)
+    """
+    def bound(graph: Any) -> PassResult:
+        return fn(graph, *args, **kwargs)
+
+    bound.__name__ = bound.__qualname__ = name
+    return bound
+
+
+def pass_name(p: Callable[..., Any]) -> str:
+    """The name a pass is reported under: its ``__name__`` (a ``functools.partial``: its
+    function's), else its class name."""
+    name = getattr(p, "__name__", None)
+    if name is None:
+        name = getattr(getattr(p, "func", None), "__name__", None)
+    return name or type(p).__name__
+
+
+def failing_node(tb: TracebackType | None) -> str | None:
+    """The name of the node a pass was processing when it raised, from its traceback.
+
+    The frames are searched from the innermost outward; the first one with a local variable
+    called ``node`` holding an object with a string ``.name`` (an ``fx.Node``, an ONNX
+    ``NodeProto``) names it. Passes keep the node they work on in a local called ``node``
+    (``for node in graph.nodes: ...``), so this costs the passes nothing; a frame inside
+    torch that has a ``node`` local of its own may name the node it was handed instead,
+    which is the node being processed as well. None when no frame has one.
+    """
+    frames = []
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    for frame in reversed(frames):
+        node = frame.f_locals.get("node")
+        name = getattr(node, "name", None)
+        if isinstance(name, str) and name:
+            return name
+    return None
+
+
 class PassManager:
     """Runs passes in order; each is ``fn(graph) -> PassResult``.
 
+    A pass that fails surfaces as :class:`PassError` naming it and, when known, the node it
+    was processing: a ``PassError`` raised by the pass passes through as it is; any other
+    exception is wrapped (chained as its ``__cause__``), the pass named by
+    :func:`pass_name` and the node found by :func:`failing_node`. A warning that a warnings
+    filter turned into an exception is the caller's choice, not a failure: it passes through.
+
     Example:
-        >>> PassManager([fold_casts, verify]).run(gm)
+        >>> PassManager([fold_casts, named("verify", verify, torch.bfloat16)]).run(gm)
     """
 
     def __init__(self, passes: Sequence[Callable[[Any], PassResult]]):
@@ -48,11 +100,11 @@ class PassManager:
         for p in self.passes:
             try:
                 result = p(graph)
-            except PassError:
+            except (PassError, Warning):
                 raise
-            except Exception as exc:  # name the pass that broke
-                name = getattr(p, "__name__", type(p).__name__)
-                raise PassError(name, None, f"{type(exc).__name__}: {exc}") from exc
+            except Exception as exc:  # name the pass that broke, and its node
+                raise PassError(pass_name(p), failing_node(exc.__traceback__),
+                                f"{type(exc).__name__}: {exc}") from exc
             graph = result.graph
             modified |= result.modified
         return PassResult(graph, modified)

@@ -10,6 +10,13 @@ import torch
 from torch import fx
 
 from passes._infra import PassResult
+from passes.fx._torch_internals import (
+    TORCH_OPS,
+    OpOverload,
+    input_nodes,
+    op_schema,
+    overload_name,
+)
 from passes.paint import COMPUTE, NONFLOAT, SOURCE
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -19,7 +26,7 @@ CAST_OPS = ("aten.to", "aten._to_copy", "aten.type_as")
 _CHECKS = ("aten._assert_tensor_metadata", "aten._assert_scalar", "aten.sym_constrain_range")
 
 
-_OPS = (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
+_OPS = TORCH_OPS
 # id(op) -> (op, policy key, is a cast op), for torch ops and operator.getitem only: they
 # live as long as the process (torch.ops interns them), so holding one costs nothing and
 # keeps its id unique. Other targets (a runtime's bound method holding weights ...) are
@@ -180,7 +187,7 @@ def build_dataflow(gm: fx.GraphModule) -> nx.DiGraph:
         else:
             is_fl, has_fp64 = is_float(val), _has_fp64(val)
         floats[node] = is_fl
-        inputs = node._input_nodes  # all_input_nodes without its copy: a dict, same order
+        inputs = input_nodes(node)  # all_input_nodes without its copy: a dict, same order
         target = node.target
         hit = _OP_KEYS.get(id(target))
         if hit is None or hit[0] is not target:
@@ -302,20 +309,20 @@ def prepare(gm: fx.GraphModule, recompile: bool = True) -> PassResult:
 
 def _functional_variant(node: fx.Node) -> Any:
     t = node.target
-    if not isinstance(t, torch._ops.OpOverload) or not t._schema.is_mutable:
+    if not isinstance(t, OpOverload) or not op_schema(t).is_mutable:
         return None
-    args = t._schema.arguments
+    args = op_schema(t).arguments
     written = [i for i, a in enumerate(args) if a.alias_info is not None and a.alias_info.is_write]
     if written != [0] or not node.args or not isinstance(node.args[0], fx.Node):
         return None
     src = node.args[0]
-    if src.op != "call_function" or not isinstance(src.target, torch._ops.OpOverload):
+    if src.op != "call_function" or not isinstance(src.target, OpOverload):
         return None
-    if any(r.alias_info is not None for r in src.target._schema.returns):
+    if any(r.alias_info is not None for r in op_schema(src.target).returns):
         return None  # the operand is a view of something else: keep the mutation
-    name = t._schema.name.split("::")[1]
+    name = op_schema(t).name.split("::")[1]
     if not name.endswith("_"):
         return None
     packet = getattr(torch.ops.aten, name[:-1], None)
-    overload = getattr(packet, t._overloadname, None) if packet is not None else None
+    overload = getattr(packet, overload_name(t), None) if packet is not None else None
     return overload

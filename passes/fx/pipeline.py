@@ -1,29 +1,30 @@
-"""The FX AMP pipeline: prepare, dataflow, paint, annotate, casts, fold, verify."""
+"""The FX AMP pipeline: prepare, dataflow, paint, annotate, casts, fold, fuse, verify, route."""
 
 from __future__ import annotations
 
 import contextlib
 import gc
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+import networkx as nx
 import torch
 from torch import fx
 
-from passes.fx.casts import annotate, count_casts, fold_casts, insert_casts
-from passes.fx.fuse import (
-    channels_last_inputs,
-    fuse_norm_casts,
+from passes._infra import PassManager, PassResult, named
+from passes.fx.fold import count_casts, fold_casts
+from passes.fx.fusions import channels_last_inputs, fuse_norm_casts, sink_gather_casts
+from passes.fx.graph import build_dataflow, prepare
+from passes.fx.hazards import mark_range_hazards
+from passes.fx.insert_casts import annotate, insert_casts
+from passes.fx.routing import (
     route_attention,
     route_embeddings,
     route_linears,
-    sink_gather_casts,
+    route_weight_casts,
 )
-from passes.fx.graph import build_dataflow, prepare
-from passes.fx.hazards import mark_range_hazards
 from passes.fx.verify import verify
-from passes.fx.weights import route_weight_casts
 from passes.paint import Decision, paint
 from passes.policy import LevelPolicy
 
@@ -87,37 +88,116 @@ def run_amp_passes(
             it with the same arguments instead (the runtime's choice of kernel).
         fuse_norms: let fp32 norms take and return ``low`` activations where every use
             wanted ``low``, cast 4-D inputs of convolutions to channels-last and cast
-            embedding lookups instead of their tables (``passes.fx.fuse``): same numbers,
+            embedding lookups instead of their tables (``passes.fx.fusions``): same numbers,
             fewer bytes copied.
 
-    The cyclic garbage collector is off while the passes run (:func:`gc_paused`).
+    The passes (:func:`amp_passes`) run through ``passes._infra.PassManager``: any failure
+    raises ``PassError`` naming the pass and, when known, the node it was processing. The
+    cyclic garbage collector is off while they run (:func:`gc_paused`).
 
     Example:
         >>> run_amp_passes(ep.module(), make_policy("O2"), torch.bfloat16).casts
         7
     """
+    state = PipelineState()
     with gc_paused():
-        prepare(gm, recompile=False)
-        graph = build_dataflow(gm)
-        if low in (torch.float16, torch.bfloat16) and policy.level != "O0":
-            mark_range_hazards(graph, gm, low)
-        decisions = paint(graph, policy)
-        annotate(gm, decisions)
-        insert_casts(gm, low, keep_io_types=keep_io_types, recompile=False)
-        fold_casts(gm, recompile=False)
-        if fuse_norms:
-            fuse_norm_casts(gm, low)
-            channels_last_inputs(gm, low)
-            sink_gather_casts(gm, low)
-        verify(gm, low)
-        casts = count_casts(gm)
-        if weight_cast is not None:
-            route_weight_casts(gm, weight_cast, recompile=False)
-            if linear is not None:
-                route_linears(gm, linear, low)
-            if embedding is not None:
-                route_embeddings(gm, embedding)
-        if attention is not None:
-            route_attention(gm, attention, low)
-        gm.recompile()
-        return FxAmpResult(gm, decisions, casts)
+        PassManager(amp_passes(
+            policy, low, state, keep_io_types=keep_io_types, weight_cast=weight_cast,
+            fuse_norms=fuse_norms, linear=linear, embedding=embedding, attention=attention,
+        )).run(gm)
+    return FxAmpResult(gm, state.decisions, state.casts)
+
+
+@dataclass
+class PipelineState:
+    """What the pipeline's analyses hand to later passes and to :class:`FxAmpResult`."""
+
+    dataflow: nx.DiGraph | None = None
+    decisions: dict[str, Decision] = field(default_factory=dict)
+    casts: int = 0
+
+
+def amp_passes(
+    policy: LevelPolicy,
+    low: torch.dtype,
+    state: PipelineState,
+    *,
+    keep_io_types: bool = True,
+    weight_cast: Callable[..., Any] | None = None,
+    fuse_norms: bool = True,
+    linear: Callable[..., Any] | None = None,
+    embedding: Callable[..., Any] | None = None,
+    attention: Callable[..., Any] | None = None,
+) -> list[Callable[[fx.GraphModule], PassResult]]:
+    """The passes :func:`run_amp_passes` runs, in order, each a named ``fn(gm) ->
+    PassResult`` (the name a failure is reported under). The analyses write into
+    ``state``. Arguments as for :func:`run_amp_passes`.
+
+    Example:
+        >>> [p.__name__ for p in amp_passes(make_policy("O2"), torch.bfloat16, PipelineState())][:3]
+        ['prepare', 'build_dataflow', 'mark_range_hazards']
+    """
+    passes = [
+        named("prepare", prepare, recompile=False),
+        named("build_dataflow", _build_dataflow, state),
+    ]
+    if low in (torch.float16, torch.bfloat16) and policy.level != "O0":
+        passes.append(named("mark_range_hazards", _mark_range_hazards, state, low))
+    passes += [
+        named("paint", _paint, state, policy),
+        named("annotate", _annotate, state),
+        named("insert_casts", insert_casts, low, keep_io_types=keep_io_types, recompile=False),
+        named("fold_casts", fold_casts, recompile=False),
+    ]
+    if fuse_norms:
+        passes += [
+            named("fuse_norm_casts", fuse_norm_casts, low),
+            named("channels_last_inputs", channels_last_inputs, low),
+            named("sink_gather_casts", sink_gather_casts, low),
+        ]
+    passes += [named("verify", verify, low), named("count_casts", _count_casts, state)]
+    if weight_cast is not None:
+        passes.append(named("route_weight_casts", route_weight_casts, weight_cast,
+                            recompile=False))
+        if linear is not None:
+            passes.append(named("route_linears", route_linears, linear, low))
+        if embedding is not None:
+            passes.append(named("route_embeddings", route_embeddings, embedding))
+    if attention is not None:
+        passes.append(named("route_attention", route_attention, attention, low))
+    passes.append(named("recompile", _recompile))
+    return passes
+
+
+# The analyses, as passes: each leaves the graph as it is and hands its result on in state.
+
+
+def _build_dataflow(gm: fx.GraphModule, state: PipelineState) -> PassResult:
+    state.dataflow = build_dataflow(gm)
+    return PassResult(gm, False)
+
+
+def _mark_range_hazards(gm: fx.GraphModule, state: PipelineState, low: torch.dtype) -> PassResult:
+    mark_range_hazards(state.dataflow, gm, low)
+    return PassResult(gm, False)
+
+
+def _paint(gm: fx.GraphModule, state: PipelineState, policy: LevelPolicy) -> PassResult:
+    state.decisions = paint(state.dataflow, policy)
+    return PassResult(gm, False)
+
+
+def _annotate(gm: fx.GraphModule, state: PipelineState) -> PassResult:
+    annotate(gm, state.decisions)  # node.meta only
+    return PassResult(gm, False)
+
+
+def _count_casts(gm: fx.GraphModule, state: PipelineState) -> PassResult:
+    state.casts = count_casts(gm)
+    return PassResult(gm, False)
+
+
+def _recompile(gm: fx.GraphModule) -> PassResult:
+    """Regenerate ``gm.forward`` once, for every pass before (they leave it to the end)."""
+    gm.recompile()
+    return PassResult(gm, False)

@@ -6,7 +6,8 @@ import torch
 from torch import fx
 
 from passes._infra import PassError, PassResult
-from passes.fx.casts import KEEP, _Rules, _slots, dtype_of
+from passes.fx.dtypes import dtype_of
+from passes.fx.rules import KEEP, _Rules, _slots
 
 
 def verify(gm: fx.GraphModule, low: torch.dtype) -> PassResult:

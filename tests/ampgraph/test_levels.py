@@ -64,7 +64,7 @@ def check_level(name: str, level: str, dtype: torch.dtype, device: str, train: b
     for op, dtypes in mm:
         floats = [d for d in dtypes if d.is_floating_point]
         assert all(d == dtype for d in floats[:2]), f"{op} ran with {dtypes} at {level}"
-    if level in ("O1", "O2"):  # norms may read low inputs but compute in fp32 (fuse.py)
+    if level in ("O1", "O2"):  # norms may read low inputs but compute in fp32 (fusions.py)
         fragile = rec.first_input_dtypes(SOFTMAX_OPS) | rec.norm_compute_dtypes()
         assert fragile <= {torch.float32}, f"norm/softmax precision {fragile} at {level}"
     else:

@@ -144,3 +144,37 @@ def test_o1_reasons_do_not_depend_on_the_hash_seed():
         assert run.returncode == 0, run.stderr
         outs.add(run.stdout)
     assert len(outs) == 1, outs
+
+
+def clear_chain(order):
+    """w -> t -> expand -> mm, plus softmax -> view -> gelu, vertices added in ``order``."""
+    ops = {"w": None, "x": None, "t": "aten.t", "expand": "aten.expand", "mm": "aten.mm",
+           "softmax": "aten.softmax", "view": "aten.view", "gelu": "aten.gelu"}
+    g = nx.DiGraph()
+    for v in order:
+        if ops[v] is None:
+            g.add_node(v, kind="source")
+        else:
+            g.add_node(v, kind="compute", op=ops[v])
+    g.add_edges_from([("w", "t"), ("t", "expand"), ("expand", "mm"), ("x", "softmax"),
+                      ("softmax", "view"), ("view", "gelu")])
+    return g
+
+
+
+def test_painter_result_does_not_depend_on_vertex_order():
+    forward = ["w", "x", "t", "expand", "mm", "softmax", "view", "gelu"]
+    a = paint(clear_chain(forward), make_policy("O2"))
+    b = paint(clear_chain(forward[::-1]), make_policy("O2"))
+    assert a == b
+    assert a["t"].precision == a["expand"].precision == LOW
+    assert a["view"].precision == FP32
+
+
+
+def test_painter_rejects_a_cycle_among_clear_ops():
+    g = clear_chain(["w", "x", "t", "expand", "mm", "softmax", "view", "gelu"])
+    g.add_edge("expand", "t")
+    with pytest.raises(nx.NetworkXUnfeasible):
+        paint(g, make_policy("O2"))
+

@@ -31,7 +31,7 @@ from torch import fx
 
 import ampgraph
 from passes.fx import run_amp_passes, verify
-from passes.fx.casts import dtype_of, is_amp_cast
+from passes.fx.dtypes import dtype_of, is_amp_cast
 from passes.fx.graph import FLOATS, op_key
 from passes.policy import ALLOW, DENY, FP32, LOW, NA, LevelPolicy, fixed_slots, make_policy
 from tests.reliability.strategies import FuzzNet, Program, example_inputs
@@ -225,7 +225,7 @@ def check_policy(gm: fx.GraphModule, level: str) -> None:
         if cls == DENY and level in ("O1", "O2"):
             assert precision == FP32, f"deny-list op not fp32 at {level}: {where}"
             for slot, a in _float_inputs(node):
-                if slot == 0 and "amp_io" in node.meta:  # fp32 norm fed low (fuse.py)
+                if slot == 0 and "amp_io" in node.meta:  # fp32 norm fed low (fusions.py)
                     assert dtype_of(a) == node.meta["amp_io"], where
                     continue
                 assert dtype_of(a) == _orig_dtype(a), \

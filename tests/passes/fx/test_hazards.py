@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import warnings
 
 import pytest
@@ -9,6 +10,9 @@ import torch
 from torch import nn
 
 import ampgraph
+from passes.fx.graph import build_dataflow, prepare
+from passes.fx.hazards import mark_range_hazards
+from tests.passes.fx.helpers import blocks
 
 
 class MaskedAttention(nn.Module):
@@ -121,3 +125,22 @@ def test_norm_epsilon_is_not_a_hazard():
     rows = ampgraph.explain(compile16(model, "O3"), torch.randn(2, 4)).nodes
     assert all("fp16 range" not in r["reason"] for r in rows)
     assert {r["precision"] for r in rows if r["op"].startswith("aten.")} == {"fp16"}
+
+
+def test_range_hazard_scan_leaves_no_garbage_cycles():
+    """A recursive closure per node was a reference cycle per node (cycle-collector work)."""
+    gm = blocks(20)
+    prepare(gm)
+    graph = build_dataflow(gm)
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        before = gc.get_count()[0]
+        mark_range_hazards(graph, gm, torch.float16)
+        grown = gc.get_count()[0] - before
+    finally:
+        if enabled:
+            gc.enable()
+    assert grown < 50, grown
+

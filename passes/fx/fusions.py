@@ -1,11 +1,12 @@
-"""Cast fusion: rewrites after cast insertion that keep every value and copy fewer bytes.
+"""Value-preserving fusions: rewrites after cast insertion that keep every value and copy
+fewer bytes.
 
 - :func:`fuse_norm_casts`: the casts around fp32 normalisation go into the norm kernel.
 - :func:`channels_last_inputs`: inputs of convolutions are cast straight to channels-last.
 - :func:`sink_gather_casts`: an embedding gathers from its fp32 table and casts the rows.
-- :func:`route_linears`: a linear casts its own weight and converts its weight gradient.
-- :func:`route_embeddings`, :func:`route_attention`: lookups and attention call the
-  runtime's implementation, which picks where gradients go or which kernel runs.
+
+(Rewrites that hand ops to the runtime are ``passes.fx.routing``; the probe of what a
+device's kernels accept is ``passes.fx.capabilities``.)
 
 Norms. O2 keeps batch/layer/group norm in fp32, so a low-precision activation is widened
 before the norm and its result rounded back for the next low-precision op: two extra passes
@@ -23,16 +24,15 @@ mix; the norm keeps ``amp_precision == "fp32"`` and gains ``meta["amp_io"]``.
 
 from __future__ import annotations
 
-import functools
 import operator
-from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import fx
 
 from passes._infra import PassResult
-from passes.fx.casts import CAST, dtype_of, is_amp_cast
+from passes.fx._torch_internals import size_hint
+from passes.fx.capabilities import _mixed_io_supported
+from passes.fx.dtypes import CAST, dtype_of, is_amp_cast
 from passes.fx.graph import SHORT_NAMES, tensors
 from passes.policy import FP32, LOW
 
@@ -138,70 +138,6 @@ def _device(node: fx.Node) -> torch.device | None:
     return ts[0].device if ts else None
 
 
-@functools.cache
-def _mixed_io_supported(target, device: torch.device | None, low: torch.dtype) -> bool:
-    """Whether ``target`` runs forward and backward with a ``low`` input and fp32 weights on
-    ``device`` (a real run on tiny tensors: kernels differ by device and version)."""
-    if device is None or device.type not in ("cpu", "cuda"):
-        return False
-    if device.type == "cuda" and not torch.cuda.is_available():
-        return False
-    try:
-        with torch.inference_mode(False), torch.enable_grad():
-            x = torch.randn(4, 4, 3, device=device, dtype=low, requires_grad=True)
-            w = torch.ones(4, device=device, requires_grad=True)
-            b = torch.zeros(4, device=device, requires_grad=True)
-            stats = (torch.zeros(4, device=device), torch.ones(4, device=device))
-            if target in (aten.layer_norm.default, aten.native_layer_norm.default):
-                y = aten.native_layer_norm(x.transpose(1, 2), [4], w, b, 1e-5)[0]
-            elif target in (aten.group_norm.default, aten.native_group_norm.default):
-                y = aten.group_norm(x, 2, w, b, 1e-5)
-            else:
-                y = aten.batch_norm(x, w, b, *stats, True, 0.1, 1e-5, False)
-                aten.batch_norm(x.detach(), w, b, *stats, False, 0.1, 1e-5, False)
-            y.float().sum().backward()
-        return y.dtype == low and x.grad.dtype == low and w.grad.dtype == torch.float32
-    except (RuntimeError, TypeError, NotImplementedError):
-        return False
-
-
-def route_linears(gm: fx.GraphModule, linear_fn: Callable[..., Any], low: torch.dtype
-                  ) -> PassResult:
-    """Replace ``aten.linear(x, cast(w), b)`` by ``linear_fn(x, w, b)`` where ``x`` is
-    ``low`` and the cast of parameter ``w`` (routed by ``passes.fx.weights``) serves only
-    this linear: the runtime then fuses the weight cast and the conversion of the weight
-    gradient into the linear. Run after ``route_weight_casts``; the cast still happens (it
-    stays counted), inside ``linear_fn``.
-
-    Example:
-        >>> route_linears(gm, cache.amp_linear, torch.bfloat16)
-    """
-    modified = False
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target is not aten.linear.default \
-                or len(node.args) < 2 or node.kwargs:
-            continue
-        x, w = node.args[0], node.args[1]
-        if dtype_of(x) != low or not (is_amp_cast(w) and w.target is not CAST
-                                      and w.args[0].op == "get_attr" and len(w.users) == 1):
-            continue
-        node.target = linear_fn
-        node.args = (x, w.args[0], *node.args[2:])
-        node.meta["amp_fused_weight_cast"] = low
-        gm.graph.erase_node(w)
-        b = node.args[2] if len(node.args) > 2 else None
-        if is_amp_cast(b) and b.target is not CAST and b.args[0].op == "get_attr" \
-                and len(b.users) == 1:
-            node.args = (x, node.args[1], b.args[0], *node.args[3:])
-            node.meta["amp_fused_bias_cast"] = low
-            gm.graph.erase_node(b)
-        node.meta["amp_orig_op"] = "aten.linear"
-        node.meta["amp_reason"] = (f"{node.meta.get('amp_reason', '')}; its weight cast and "
-                                   "the conversion of its weight gradient are fused into it")
-        modified = True
-    return PassResult(gm, modified)
-
-
 CONVS = {aten.conv2d.default, aten.convolution.default}
 VIEWS = {aten.view.default, aten._unsafe_view.default, aten.as_strided.default}
 
@@ -276,55 +212,6 @@ def sink_gather_casts(gm: fx.GraphModule, low: torch.dtype) -> PassResult:
     return PassResult(gm, modified)
 
 
-def route_embeddings(gm: fx.GraphModule, embedding_fn: Callable[..., Any]) -> PassResult:
-    """Replace ``aten.embedding(W, ids, padding_idx)`` on a float parameter ``W`` by
-    ``embedding_fn(W, ids, padding_idx)`` (the runtime's choice of where the table's
-    gradient goes). Lookups that scale gradients by frequency or want sparse gradients are
-    left alone.
-
-    Example:
-        >>> route_embeddings(gm, cache.amp_embedding)
-    """
-    modified = False
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target not in GATHERS or node.kwargs \
-                or any(node.args[3:]) or node.args[0].op != "get_attr":
-            continue
-        table = tensors(node.args[0].meta.get("val"))
-        if len(table) != 1 or not table[0].is_floating_point():
-            continue
-        node.target = embedding_fn
-        node.args = node.args[:3]
-        node.meta["amp_orig_op"] = "aten.embedding"
-        modified = True
-    return PassResult(gm, modified)
-
-
-ATTENTION = aten.scaled_dot_product_attention.default
-
-
-def route_attention(gm: fx.GraphModule, attention_fn: Callable[..., Any], low: torch.dtype
-                    ) -> PassResult:
-    """Replace low-precision ``aten.scaled_dot_product_attention`` nodes by
-    ``attention_fn`` called with the same arguments (the runtime picks the kernel for the
-    shapes it meets).
-
-    Example:
-        >>> route_attention(gm, amp_attention, torch.bfloat16)
-    """
-    modified = False
-    for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target is ATTENTION \
-                and node.meta.get("amp_precision") == LOW and dtype_of(
-                    node.args[0] if node.args else node.kwargs.get("query")) == low:
-            node.target = attention_fn
-            node.meta["amp_orig_op"] = "aten.scaled_dot_product_attention"
-            node.meta["amp_reason"] = (f"{node.meta.get('amp_reason', '')}; the runtime "
-                                       "picks its kernel for the shapes it meets")
-            modified = True
-    return PassResult(gm, modified)
-
-
 def _numel(node: fx.Node) -> int | None:
     """Elements of a node's single tensor output at the captured sizes, or None."""
     ts = tensors(node.meta.get("val"))
@@ -334,7 +221,7 @@ def _numel(node: fx.Node) -> int | None:
     for d in ts[0].shape:
         if not isinstance(d, int):
             try:
-                d = d.node.shape_env.optimization_hint(d.node.expr)
+                d = size_hint(d)
             except Exception:  # unbacked or hint-less sizes
                 return None
         n *= int(d)

@@ -1,0 +1,140 @@
+"""Runtime routing: ops the runtime carries out its own way, called from the rewritten graph.
+
+- :func:`route_weight_casts`: parameter casts call a cached cast (a persistent
+  low-precision working copy, refreshed only when the fp32 master weight changes).
+- :func:`route_linears`: a linear casts its own weight and converts its weight gradient.
+- :func:`route_embeddings`, :func:`route_attention`: lookups and attention call the
+  runtime's implementation, which picks where gradients go or which kernel runs.
+
+Each replaces matching nodes by a caller-supplied callable; the numbers are the runtime's
+to keep (the cast still happens, inside the callable, and stays counted).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import fx
+
+from passes._infra import PassResult
+from passes.fx.dtypes import CAST, dtype_of, is_amp_cast
+from passes.fx.fusions import GATHERS
+from passes.fx.graph import tensors
+from passes.policy import LOW
+
+aten = torch.ops.aten
+
+
+def route_weight_casts(
+    gm: fx.GraphModule, cast_fn: Callable[..., Any], recompile: bool = True
+) -> PassResult:
+    """Replace ``_to_copy(get_attr, dtype)`` amp casts by ``cast_fn(get_attr, dtype)``.
+
+    After cast insertion every parameter is cast once per forward by ``aten._to_copy``;
+    routed, the runtime can keep a persistent low-precision working copy, refreshed only
+    when the fp32 master weight changes.
+
+    Example:
+        >>> route_weight_casts(gm, cache.cast)
+    """
+    modified = False
+    for node in list(gm.graph.nodes):
+        if not is_amp_cast(node) or node.args[0].op != "get_attr":
+            continue
+        with gm.graph.inserting_after(node):
+            new = gm.graph.call_function(cast_fn, (node.args[0], node.kwargs["dtype"]))
+        new.meta.update(node.meta)
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        modified = True
+    if modified and recompile:
+        gm.recompile()
+    return PassResult(gm, modified)
+
+
+def route_linears(gm: fx.GraphModule, linear_fn: Callable[..., Any], low: torch.dtype
+                  ) -> PassResult:
+    """Replace ``aten.linear(x, cast(w), b)`` by ``linear_fn(x, w, b)`` where ``x`` is
+    ``low`` and the cast of parameter ``w`` (routed by :func:`route_weight_casts`) serves only
+    this linear: the runtime then fuses the weight cast and the conversion of the weight
+    gradient into the linear. Run after ``route_weight_casts``; the cast still happens (it
+    stays counted), inside ``linear_fn``.
+
+    Example:
+        >>> route_linears(gm, cache.amp_linear, torch.bfloat16)
+    """
+    modified = False
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.linear.default \
+                or len(node.args) < 2 or node.kwargs:
+            continue
+        x, w = node.args[0], node.args[1]
+        if dtype_of(x) != low or not (is_amp_cast(w) and w.target is not CAST
+                                      and w.args[0].op == "get_attr" and len(w.users) == 1):
+            continue
+        node.target = linear_fn
+        node.args = (x, w.args[0], *node.args[2:])
+        node.meta["amp_fused_weight_cast"] = low
+        gm.graph.erase_node(w)
+        b = node.args[2] if len(node.args) > 2 else None
+        if is_amp_cast(b) and b.target is not CAST and b.args[0].op == "get_attr" \
+                and len(b.users) == 1:
+            node.args = (x, node.args[1], b.args[0], *node.args[3:])
+            node.meta["amp_fused_bias_cast"] = low
+            gm.graph.erase_node(b)
+        node.meta["amp_orig_op"] = "aten.linear"
+        node.meta["amp_reason"] = (f"{node.meta.get('amp_reason', '')}; its weight cast and "
+                                   "the conversion of its weight gradient are fused into it")
+        modified = True
+    return PassResult(gm, modified)
+
+
+def route_embeddings(gm: fx.GraphModule, embedding_fn: Callable[..., Any]) -> PassResult:
+    """Replace ``aten.embedding(W, ids, padding_idx)`` on a float parameter ``W`` by
+    ``embedding_fn(W, ids, padding_idx)`` (the runtime's choice of where the table's
+    gradient goes). Lookups that scale gradients by frequency or want sparse gradients are
+    left alone.
+
+    Example:
+        >>> route_embeddings(gm, cache.amp_embedding)
+    """
+    modified = False
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in GATHERS or node.kwargs \
+                or any(node.args[3:]) or node.args[0].op != "get_attr":
+            continue
+        table = tensors(node.args[0].meta.get("val"))
+        if len(table) != 1 or not table[0].is_floating_point():
+            continue
+        node.target = embedding_fn
+        node.args = node.args[:3]
+        node.meta["amp_orig_op"] = "aten.embedding"
+        modified = True
+    return PassResult(gm, modified)
+
+
+ATTENTION = aten.scaled_dot_product_attention.default
+
+
+def route_attention(gm: fx.GraphModule, attention_fn: Callable[..., Any], low: torch.dtype
+                    ) -> PassResult:
+    """Replace low-precision ``aten.scaled_dot_product_attention`` nodes by
+    ``attention_fn`` called with the same arguments (the runtime picks the kernel for the
+    shapes it meets).
+
+    Example:
+        >>> route_attention(gm, amp_attention, torch.bfloat16)
+    """
+    modified = False
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is ATTENTION \
+                and node.meta.get("amp_precision") == LOW and dtype_of(
+                    node.args[0] if node.args else node.kwargs.get("query")) == low:
+            node.target = attention_fn
+            node.meta["amp_orig_op"] = "aten.scaled_dot_product_attention"
+            node.meta["amp_reason"] = (f"{node.meta.get('amp_reason', '')}; the runtime "
+                                       "picks its kernel for the shapes it meets")
+            modified = True
+    return PassResult(gm, modified)

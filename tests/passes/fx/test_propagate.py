@@ -1,0 +1,82 @@
+"""passes/fx/propagate.py: the fast dtype paths give what running every op gives."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import passes.fx.propagate as casts  # (the module was passes.fx.casts)
+from passes.fx.dtypes import dtype_of
+from passes.fx.graph import build_dataflow, op_key, prepare
+from passes.fx.insert_casts import annotate, insert_casts
+from passes.paint import paint
+from passes.policy import make_policy
+from tests.helpers import make
+from tests.passes.fx.helpers import blocks, dtype_blocks, export, meta_of, one_dtype_blocks
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+@pytest.mark.parametrize("name", ["resnet", "unet", "bert_encoder", "gpt_decoder"])
+def test_fast_dtype_tracking_agrees_with_fake_tensor_execution(name, level):
+    from passes.fx.dtypes import dtype_of
+    from passes.fx.graph import build_dataflow, prepare
+    from passes.fx.insert_casts import annotate, insert_casts
+    from passes.paint import paint
+
+    model, inputs = make(name)
+    graphs = []
+    for exact in (False, True):
+        gm = export(model, inputs)
+        prepare(gm)
+        annotate(gm, paint(build_dataflow(gm), make_policy(level)))
+        insert_casts(gm, torch.bfloat16, exact=exact)
+        graphs.append({n.name: dtype_of(n) for n in gm.graph.nodes})
+    assert graphs[0] == graphs[1]
+
+
+@pytest.mark.parametrize("build", [blocks, dtype_blocks, one_dtype_blocks])
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+@pytest.mark.parametrize("low", [torch.bfloat16, torch.float16])
+def test_remembered_runs_agree_with_running_every_op(level, low, build):
+    """Repeated multi-output ops take the remembered result: the dtypes of every node, and
+    the values of the multi-output ones, are those running every op gives. (Single-output
+    ops that follow their inputs only record ``amp_dtype``: their ``val`` keeps the captured
+    dtype either way.)"""
+    seen = []
+    for exact in (False, True):
+        gm = build(6)
+        prepare(gm)
+        annotate(gm, paint(build_dataflow(gm), make_policy(level)))
+        insert_casts(gm, low, exact=exact)
+        seen.append({n.name: (dtype_of(n), meta_of(n.meta["val"])
+                              if isinstance(n.meta.get("val"), tuple) else None)
+                     for n in gm.graph.nodes})
+    assert seen[0] == seen[1]
+    assert sum(isinstance(v[1], tuple) for v in seen[0].values()) == 6
+
+
+_REAL_RUN = casts._DtypeTracker._run
+
+
+def count_runs(monkeypatch, gm, level="O2"):
+    runs = []
+    real = _REAL_RUN
+
+    def run(self, node):
+        runs.append(op_key(node))
+        return real(self, node)
+
+    monkeypatch.setattr(casts._DtypeTracker, "_run", run)
+    prepare(gm)
+    annotate(gm, paint(build_dataflow(gm), make_policy(level)))
+    insert_casts(gm, torch.bfloat16)
+    return runs
+
+
+def test_norms_reading_their_captured_inputs_are_not_rerun(monkeypatch):
+    """At O2 every fp32 layer norm reads a copy widened back to its captured dtype: its
+    captured value still holds, so no layer norm runs, however many there are."""
+    def kernels(gm):  # getitem has no kernel: it always runs, to pick its element
+        return [r for r in count_runs(monkeypatch, gm, "O2") if r != "getitem"]
+
+    assert kernels(blocks(3)) == kernels(blocks(30)) == []
