@@ -18,6 +18,7 @@ from passes.fx.fusions import channels_last_inputs, fuse_norm_casts, sink_gather
 from passes.fx.graph import build_dataflow, prepare
 from passes.fx.hazards import mark_range_hazards
 from passes.fx.insert_casts import annotate, insert_casts
+from passes.fx.layouts import contiguous_linear_inputs
 from passes.fx.routing import (
     route_attention,
     route_embeddings,
@@ -155,7 +156,11 @@ def amp_passes(
             named("channels_last_inputs", channels_last_inputs, low),
             named("sink_gather_casts", sink_gather_casts, low),
         ]
-    passes += [named("verify", verify, low), named("count_casts", _count_casts, state)]
+    passes += [
+        named("contiguous_linear_inputs", contiguous_linear_inputs, low),
+        named("verify", verify, low),
+        named("count_casts", _count_casts, state),
+    ]
     if weight_cast is not None:
         passes.append(named("route_weight_casts", route_weight_casts, weight_cast,
                             recompile=False))

@@ -52,7 +52,8 @@ def test_run_amp_passes_leaves_the_collector_on():
 
 EXPECTED_PASSES = [
     "prepare", "build_dataflow", "mark_range_hazards", "paint", "annotate", "insert_casts",
-    "fold_casts", "fuse_norm_casts", "channels_last_inputs", "sink_gather_casts", "verify",
+    "fold_casts", "fuse_norm_casts", "channels_last_inputs", "sink_gather_casts",
+    "contiguous_linear_inputs", "verify",
     "count_casts", "route_weight_casts", "route_linears", "route_embeddings",
     "route_attention", "recompile",
 ]
@@ -70,7 +71,7 @@ def test_the_pipeline_is_a_list_of_named_passes():
                                 fuse_norms=False, linear=fn, embedding=fn)
     assert [p.__name__ for p in plain] == [
         "prepare", "build_dataflow", "paint", "annotate", "insert_casts", "fold_casts",
-        "verify", "count_casts", "recompile"]
+        "contiguous_linear_inputs", "verify", "count_casts", "recompile"]
 
 
 def failing_route(gm, fn, low):
