@@ -10,6 +10,16 @@ kernel keeps. :func:`amp_attention` runs those calls unfused when training, as t
 ``ampgraph::attention``, and hands every other call to aten (inference included: the fused
 forward is as fast).
 
+With dropout (``dropout_p > 0``, BERT's and GPT-2's default 0.1 in training) aten gives up
+the fused kernel and runs its math path, which on the CPU upcasts q, k and v to fp32: both
+attention matmuls then run in fp32, at a fifth of bf16's speed, and the fp32 probabilities
+and dropout noise are kept for backward. Those calls always run unfused here, with
+low-precision matmuls and the same dropout as aten's math path: the noise is drawn by
+``bernoulli_(1 - p)`` on an fp32 tensor of the probabilities' shape from the default
+generator, as aten draws it, so under the same seed the same positions are dropped, and the
+kept ones are scaled by ``1 / (1 - p)``. Backward keeps the bf16 probabilities and a bool
+mask (3 bytes per score instead of aten's 8).
+
 The numbers follow the fused kernel's: scores are computed, scaled and masked in fp32 from
 the 16-bit ``q`` and ``k``, the softmax is fp32 (rows with every key masked give 0, as
 aten's), and the probabilities are rounded to the input dtype once for ``p @ v``. Backward
@@ -37,25 +47,29 @@ def amp_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     q, k, v = query, key, value
     training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
                                             or v.requires_grad)
-    if not (training and unfused_pays(q, k, v, attn_mask, dropout_p, enable_gqa)):
+    if not unfused_pays(q, k, v, attn_mask, dropout_p, enable_gqa, training):
         return aten.scaled_dot_product_attention.default(
             q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return torch.ops.ampgraph.attention(q, k, v, attn_mask, is_causal, scale)[0]
+    return torch.ops.ampgraph.attention(q, k, v, attn_mask, is_causal, scale,
+                                        float(dropout_p))[0]
 
 
 def unfused_pays(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 attn_mask: torch.Tensor | None, dropout_p: float, enable_gqa: bool) -> bool:
-    """bf16 on the CPU, no dropout, no grouped heads or batch broadcasting, a boolean or
-    bf16 mask that needs no gradient and broadcasts to the scores, and at least one but no
-    more keys than the head dimension (so the kept probabilities are no larger than the
-    fused kernel's output). With dropout aten runs its own unfused math path anyway."""
+                 attn_mask: torch.Tensor | None, dropout_p: float, enable_gqa: bool,
+                 training: bool = True) -> bool:
+    """bf16 on the CPU, no grouped heads or batch broadcasting, a boolean or bf16 mask that
+    needs no gradient and broadcasts to the scores, at least one key, and either dropout
+    (aten would run its fp32 math path) or, when training, no more keys than the head
+    dimension (so the kept probabilities are no larger than the fused kernel's output)."""
+    if not (0 <= dropout_p < 1) or not (dropout_p or training):
+        return False
     tensors = (q, k, v) if attn_mask is None else (q, k, v, attn_mask)
     return (all(t.device.type == "cpu" and t.layout == torch.strided for t in tensors)
             and q.dtype == k.dtype == v.dtype == torch.bfloat16
-            and not dropout_p and not enable_gqa and q.dim() >= 3
+            and not enable_gqa and q.dim() >= 3
             and q.shape[:-2] == k.shape[:-2] == v.shape[:-2]
-            and 0 < k.shape[-2] <= v.shape[-1]
+            and 0 < k.shape[-2] and (dropout_p > 0 or k.shape[-2] <= v.shape[-1])
             and (attn_mask is None or (
                 attn_mask.dtype in (torch.bool, q.dtype) and not attn_mask.requires_grad
                 and _fits(attn_mask.shape, (*q.shape[:-1], k.shape[-2])))))
@@ -72,9 +86,10 @@ def _fits(shape: torch.Size, target: tuple) -> bool:
 # 16-bit inputs and outputs, not the fp32 arithmetic inside it.
 @torch.library.custom_op("ampgraph::attention", mutates_args=())
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               attn_mask: torch.Tensor | None, is_causal: bool, scale: float
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(softmax(q k^T * scale + mask) v, the rounded probabilities)."""
+               attn_mask: torch.Tensor | None, is_causal: bool, scale: float,
+               dropout_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dropout(softmax(q k^T * scale + mask)) v, the rounded probabilities before dropout,
+    the kept positions: a bool mask, empty without dropout)."""
     s = torch.matmul(q.float(), k.float().transpose(-2, -1)).mul_(scale)
     if is_causal:  # top-left aligned, as aten
         keep = torch.ones(s.shape[-2], s.shape[-1], dtype=torch.bool, device=s.device).tril()
@@ -85,43 +100,57 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     p = torch.softmax(s, -1)
     if attn_mask is not None or is_causal:  # rows with every key masked: 0, as aten
         p = p.masked_fill_(s.amax(-1, keepdim=True) == -math.inf, 0.0)
-    p = p.to(q.dtype)
-    return torch.matmul(p, v), p
+    if not dropout_p:
+        p = p.to(q.dtype)
+        return torch.matmul(p, v), p, q.new_empty((0,), dtype=torch.bool)
+    noise = torch.empty_like(p).bernoulli_(1 - dropout_p)  # aten's draw, same generator
+    keep = noise.bool()
+    dropped = p.mul(noise.div_(1 - dropout_p)).to(q.dtype)
+    return torch.matmul(dropped, v), p.to(q.dtype), keep
 
 
 @_attention.register_fake
-def _(q, k, v, attn_mask, is_causal, scale):
-    return (q.new_empty((*q.shape[:-1], v.shape[-1])),
-            q.new_empty((*q.shape[:-1], k.shape[-2])))
+def _(q, k, v, attn_mask, is_causal, scale, dropout_p=0.0):
+    scores = (*q.shape[:-1], k.shape[-2])
+    return (q.new_empty((*q.shape[:-1], v.shape[-1])), q.new_empty(scores),
+            q.new_empty(scores if dropout_p else (0,), dtype=torch.bool))
 
 
 @torch.library.custom_op("ampgraph::attention_backward", mutates_args=())
 def _attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                        v: torch.Tensor, p: torch.Tensor, scale: float
+                        v: torch.Tensor, p: torch.Tensor, keep: torch.Tensor, scale: float,
+                        dropout_p: float = 0.0
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) from the rounded probabilities, the softmax derivative in fp32."""
-    dv = torch.matmul(p.transpose(-2, -1), grad)
-    dp = torch.matmul(grad, v.transpose(-2, -1)).float()
+    """(dq, dk, dv) from the rounded probabilities (and the kept positions, with dropout),
+    the softmax derivative in fp32."""
+    if dropout_p:
+        kept = keep.to(p.dtype).mul_(1 / (1 - dropout_p))
+        dv = torch.matmul(p.mul(kept).transpose(-2, -1), grad)
+        dp = torch.matmul(grad, v.transpose(-2, -1)).float().mul_(kept)
+    else:
+        dv = torch.matmul(p.transpose(-2, -1), grad)
+        dp = torch.matmul(grad, v.transpose(-2, -1)).float()
     ds = dp.sub_((dp * p).sum(-1, keepdim=True)).mul_(p).mul_(scale).to(q.dtype)
     return torch.matmul(ds, k), torch.matmul(ds.transpose(-2, -1), q), dv
 
 
 @_attention_backward.register_fake
-def _(grad, q, k, v, p, scale):
+def _(grad, q, k, v, p, keep, scale, dropout_p=0.0):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-    q, k, v, _, _, scale = inputs
-    ctx.save_for_backward(q, k, v, output[1])
-    ctx.mark_non_differentiable(output[1])
-    ctx.scale = scale
+    q, k, v, _, _, scale, dropout_p = inputs
+    ctx.save_for_backward(q, k, v, output[1], output[2])
+    ctx.mark_non_differentiable(output[1], output[2])
+    ctx.scale, ctx.dropout_p = scale, dropout_p
 
 
-def _backward(ctx: Any, grad: torch.Tensor, _: Any) -> tuple:
-    q, k, v, p = ctx.saved_tensors
-    dq, dk, dv = torch.ops.ampgraph.attention_backward(grad, q, k, v, p, ctx.scale)
-    return dq, dk, dv, None, None, None
+def _backward(ctx: Any, grad: torch.Tensor, _: Any, __: Any) -> tuple:
+    q, k, v, p, keep = ctx.saved_tensors
+    dq, dk, dv = torch.ops.ampgraph.attention_backward(grad, q, k, v, p, keep, ctx.scale,
+                                                       ctx.dropout_p)
+    return dq, dk, dv, None, None, None, None
 
 
 _attention.register_autograd(_backward, setup_context=_setup_context)

@@ -113,12 +113,13 @@ def test_the_custom_ops_pass_opcheck(kind):
     q, k, v = (t.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
                for t in (q, k, v))  # permuted strides, as a projection's views
     torch.library.opcheck(torch.ops.ampgraph.attention.default, (q, k, v, mask, causal, 0.35))
-    out, p = torch.ops.ampgraph.attention(q, k, v, mask, causal, 0.35)
+    out, p, keep = torch.ops.ampgraph.attention(q, k, v, mask, causal, 0.35)
     torch.library.opcheck(torch.ops.ampgraph.attention_backward.default,
-                          (torch.randn_like(out), q.detach(), k.detach(), v.detach(), p, 0.35))
+                          (torch.randn_like(out), q.detach(), k.detach(), v.detach(), p, keep,
+                           0.35))
 
 
-@pytest.mark.parametrize("case", ["more keys than head dim", "dropout", "fp16", "fp32",
+@pytest.mark.parametrize("case", ["more keys than head dim", "fp16", "fp32",
                                   "mask wants a gradient", "grouped heads", "fp32 mask",
                                   "no keys"])
 def test_other_calls_go_to_aten_unchanged(case):
@@ -126,8 +127,6 @@ def test_other_calls_go_to_aten_unchanged(case):
                   dtype=torch.float16 if case == "fp16" else
                   torch.float32 if case == "fp32" else BF16)
     mask, dropout, gqa = None, 0.0, False
-    if case == "dropout":
-        dropout = 0.1
     if case == "mask wants a gradient":
         mask = torch.zeros(4, 1, 1, 16, dtype=BF16, requires_grad=True)
     if case in ("fp32 mask", "no keys"):
@@ -198,3 +197,63 @@ def test_the_routed_function_takes_aten_arguments_by_their_names():
     assert list(params) == [a.name for a in schema.arguments]
     assert [p.kind == p.KEYWORD_ONLY for p in params.values()] == [
         a.kwarg_only for a in schema.arguments]
+
+
+# -- dropout: aten's math path, with bf16 matmuls -------------------------------------------
+
+
+def cos(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(F.cosine_similarity(a.detach().double().flatten(), b.detach().double().flatten(),
+                                     dim=0))
+
+
+@pytest.mark.parametrize("keys", [16, 48])  # within and beyond the no-dropout key limit
+def test_dropout_runs_unfused_and_drops_what_aten_drops_under_the_same_seed(keys):
+    q, k, v = qkv(t=16, d=16, s=keys)
+    mask = masks(4, 16, keys)["bool"][0]
+    assert unfused_pays(q, k, v, mask, 0.3, False)
+    grad = torch.randn(4, 2, 16, 16, dtype=BF16)
+    torch.manual_seed(7)
+    ours = amp_attention(q, k, v, mask, 0.3)
+    assert "ampgraph_attention" in ours.grad_fn.name()
+    got = torch.autograd.grad(ours, (q, k, v), grad)
+    torch.manual_seed(7)
+    ref = F.scaled_dot_product_attention(q, k, v, mask, 0.3)  # aten's fp32 math path
+    want = torch.autograd.grad(ref, (q, k, v), grad)
+    assert cos(ours, ref) >= 0.999
+    assert all(cos(a, b) >= 0.99 for a, b in zip(got, want))
+    torch.manual_seed(8)  # another mask: far apart, so the agreement above is the mask's
+    assert cos(amp_attention(q, k, v, mask, 0.3), ref) < 0.97
+
+
+def test_dropout_keeps_one_minus_p_and_scales_the_kept_by_its_inverse():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 64, 32, dtype=BF16) for _ in range(3))
+    out, p, keep = torch.ops.ampgraph.attention(q, k, v, None, False, 32 ** -0.5, 0.25)
+    assert keep.dtype == torch.bool and keep.shape == p.shape
+    assert abs(keep.float().mean().item() - 0.75) < 0.01
+    expected = torch.matmul((p.float() * keep / 0.75).to(BF16), v)
+    torch.testing.assert_close(out, expected, rtol=0.02, atol=0.01)  # p rounded after dropout
+    _, _, none = torch.ops.ampgraph.attention(q, k, v, None, False, 0.1, 0.0)
+    assert none.numel() == 0
+
+
+def test_inference_with_dropout_also_runs_unfused():
+    q, k, v = qkv()
+    with torch.no_grad():
+        torch.manual_seed(3)
+        _, rec = record(lambda: amp_attention(q, k, v, None, 0.2))
+    assert "attention" in [name for name, _ in rec.calls]
+    assert not unfused_pays(q, k, v, None, 0.0, False, training=False)
+
+
+def test_o2_bert_training_with_attention_dropout_runs_bf16_matmuls():
+    torch.manual_seed(0)
+    model = bert_encoder.make_model(dropout=0.1).train()
+    ids, mask = bert_encoder.example_inputs(4)
+    net = ampgraph.compile(model, amp_level="O2", dtype="bf16")
+    out, rec = record(lambda: net(ids, mask))
+    out.float().sum().backward()
+    names = [name for name, _ in rec.calls]
+    assert "attention" in names  # ampgraph::attention, not aten's fp32 math path
+    assert all(d[0] == BF16 for name, d in rec.calls if name in ("bmm", "attention"))
