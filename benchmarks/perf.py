@@ -215,13 +215,19 @@ def memory_probe(args: argparse.Namespace) -> None:
             m.train_step()
         print((_status_kib("VmHWM") - base) / 1024)
         return
+    print(peak_live_tensors_mib(m.train_step))
+
+
+def peak_live_tensors_mib(step: Any, warmup: int = 2, measured: int = 3) -> float:
+    """Peak MiB of live tensors during ``measured`` calls of ``step`` (after ``warmup``),
+    above what was live when profiling started, from the profiler's allocation events."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                 profile_memory=True) as prof:
-        for _ in range(2):
-            m.train_step()
+        for _ in range(warmup):
+            step()
         t_measured = time.time_ns()
-        for _ in range(3):
-            m.train_step()
+        for _ in range(measured):
+            step()
     events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
                     if e.name() == "[memory]")
     live = peak = 0
@@ -229,7 +235,7 @@ def memory_probe(args: argparse.Namespace) -> None:
         live += n
         if t >= t_measured:
             peak = max(peak, live)
-    print(peak / 2**20)
+    return peak / 2**20
 
 
 def compile_timing(args: argparse.Namespace) -> dict:

@@ -40,3 +40,17 @@ def test_compile_scaling_smoke(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(out.read_text())
     assert [r["nodes"] > 0 for r in rows] == [True, True]
+
+
+@pytest.mark.slow
+def test_real_models_harness_smoke_mode(tmp_path):
+    out = tmp_path / "real.json"
+    proc = run("benchmarks/real_models.py", "--smoke", "--models", "bert,vit", "--modes",
+               "fp32,autocast,O2", "--no-memory", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert set(data["models"]) == {"bert", "vit"}
+    for entry in data["models"].values():
+        assert set(entry["train"]) == set(entry["infer"]) == {"fp32", "autocast", "O2"}
+        assert all(v["median_ms"] > 0 for v in entry["train"].values())
+    assert data["geomean_o2_vs_autocast"] > 0

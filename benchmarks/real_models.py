@@ -1,0 +1,289 @@
+"""Speed and memory on third-party models at realistic sizes: fp32, torch.autocast, O2, O2-inductor.
+
+Run on demand (never as a timed test):
+
+    python benchmarks/real_models.py                      # CPU, bf16, every model below
+    python benchmarks/real_models.py --models bert,gpt2 --steps 5
+    python benchmarks/real_models.py --device cuda        # when a GPU is lent
+    python benchmarks/real_models.py --smoke              # tiny configs: harness check
+
+The models are built as their libraries build them, from default configs (unless stated)
+with random weights; nothing is downloaded:
+
+- resnet50: torchvision ``resnet50()``, or HF ``ResNetForImageClassification(ResNetConfig())``
+  (ResNet-50) when torchvision cannot be imported; batch 16 x 128 px;
+- vit: torchvision ``vit_b_16()``, or HF ``ViTForImageClassification(ViTConfig())``
+  (ViT-B/16); batch 8 x 224 px;
+- bert: HF ``BertForSequenceClassification(BertConfig())`` (BERT-base, dropout 0.1); 8 x 128;
+- gpt2: HF ``GPT2LMHeadModel(GPT2Config())`` (GPT-2 small, dropout 0.1); 4 x 128;
+- llama: HF ``LlamaForCausalLM``, 4 layers, d=512, 8 heads, vocab 32000; 4 x 128.
+
+Each model is trained the way a user would: their own loop, cross-entropy on the logits,
+``torch.optim.AdamW``. Modes run interleaved step by step in one process (machine noise hits
+all alike); the median of ``--steps`` steps after ``--warmup`` is reported. Peak memory is
+the peak of live tensors in a training step (profiler allocation events, each mode in a
+fresh subprocess; ``perf.peak_live_tensors_mib``). Prints a table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.join(HERE, "..")]
+
+from perf import peak_live_tensors_mib, sync  # noqa: E402
+
+import ampgraph  # noqa: E402
+
+MODELS = ("resnet50", "vit", "bert", "gpt2", "llama")
+MODES = ("fp32", "autocast", "O2", "O2-inductor")
+
+
+def _torchvision() -> Any:
+    try:
+        import torchvision.models as tvm
+    except Exception:  # noqa: BLE001 - the CPU torch cannot load its wheel's C ops
+        return None
+    return tvm
+
+
+def build(name: str, smoke: bool, device: str) -> tuple[nn.Module, dict, Callable, str]:
+    """(model, inputs as keywords, loss(out, labels), what was built)."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    tvm = _torchvision()
+    if name in ("resnet50", "vit"):
+        vit = name == "vit"
+        batch, px, classes = (2, 32 if not vit else 32, 10) if smoke else (
+            8 if vit else 16, 224 if vit else 128, 1000)
+        if tvm is not None and not smoke:
+            model = tvm.vit_b_16() if vit else tvm.resnet50()
+            source = "torchvision " + ("vit_b_16()" if vit else "resnet50()")
+            key = "x"
+        elif vit:
+            config = tf.ViTConfig() if not smoke else tf.ViTConfig(
+                hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                intermediate_size=64, image_size=px, patch_size=8)
+            model, source, key = tf.ViTForImageClassification(config), "HF ViT-B/16", "pixel_values"
+        else:
+            config = tf.ResNetConfig() if not smoke else tf.ResNetConfig(
+                embedding_size=8, hidden_sizes=[8, 16, 32, 64], depths=[1, 1, 1, 1])
+            model, source, key = (tf.ResNetForImageClassification(config), "HF ResNet-50",
+                                  "pixel_values")
+        inputs = {key: torch.randn(batch, 3, px, px, generator=g)}
+        labels = torch.randint(0, classes if tvm is not None else model.config.num_labels,
+                               (batch,), generator=g)
+    else:
+        batch, seq = (2, 16) if smoke else ((8, 128) if name == "bert" else (4, 128))
+        small = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                     intermediate_size=64, vocab_size=100)
+        if name == "bert":
+            model = tf.BertForSequenceClassification(tf.BertConfig(**(small if smoke else {})))
+            source = "HF BERT-base"
+        elif name == "gpt2":
+            model = tf.GPT2LMHeadModel(tf.GPT2Config(**(
+                dict(n_embd=32, n_layer=1, n_head=2, vocab_size=100) if smoke else {})))
+            source = "HF GPT-2 small"
+        else:
+            model = tf.LlamaForCausalLM(tf.LlamaConfig(**(small if smoke else dict(
+                hidden_size=512, num_hidden_layers=4, num_attention_heads=8,
+                num_key_value_heads=8, intermediate_size=1376, vocab_size=32000))))
+            source = "HF LLaMA-style 4x512"
+        vocab = model.config.vocab_size
+        ids = torch.randint(1, vocab, (batch, seq), generator=g)
+        inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        labels = ids if name != "bert" else torch.randint(0, 2, (batch,), generator=g)
+    model = model.to(device)
+    inputs = {k: v.to(device) for k, v in inputs.items()}
+    labels = labels.to(device)
+
+    def loss(out: Any) -> torch.Tensor:
+        logits = out if isinstance(out, torch.Tensor) else out.logits
+        logits = logits.float()
+        if logits.dim() == 3:  # next-token prediction
+            return nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1),
+                                               labels[:, 1:].flatten())
+        return nn.functional.cross_entropy(logits, labels)
+
+    return model, inputs, loss, source
+
+
+class Mode:
+    """One way of running the model: a user's train step (AdamW) and an inference call."""
+
+    def __init__(self, name: str, model: nn.Module, inputs: dict, loss: Callable,
+                 low: torch.dtype, device: str):
+        self.name, self.inputs, self.loss, self.low, self.device = name, inputs, loss, low, device
+        self.model = copy.deepcopy(model)
+        self.scaler = None
+        if name.startswith("O"):
+            level, _, backend = name.partition("-")
+            self.net = ampgraph.compile(self.model, level, low, backend=backend or None)
+        else:
+            self.net = self.model
+            if name == "autocast" and low == torch.float16:
+                self.scaler = torch.amp.GradScaler(device)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-5)
+
+    def forward(self) -> Any:
+        if self.name == "autocast":
+            with torch.autocast(self.device, self.low):
+                return self.net(**self.inputs)
+        return self.net(**self.inputs)
+
+    def train_step(self) -> None:
+        self.model.train()
+        loss = self.loss(self.forward())
+        self.opt.zero_grad(set_to_none=True)
+        if self.scaler is not None:
+            self.scaler.scale(loss).backward()
+            self.scaler.step(self.opt)
+            self.scaler.update()
+        else:
+            loss.backward()
+            self.opt.step()
+
+    def infer(self) -> None:
+        self.model.eval()
+        with torch.no_grad():
+            self.forward()
+
+
+def time_modes(modes: list[Mode], what: str, steps: int, warmup: int) -> dict:
+    times: dict[str, list[float]] = {m.name: [] for m in modes}
+    for i in range(steps + warmup):
+        for m in modes:
+            fn = m.train_step if what == "train" else m.infer
+            sync(m.device)
+            t0 = time.perf_counter()
+            fn()
+            sync(m.device)
+            if i >= warmup:
+                times[m.name].append(1000 * (time.perf_counter() - t0))
+    return {k: {"median_ms": statistics.median(v), "min_ms": min(v), "max_ms": max(v)}
+            for k, v in times.items()}
+
+
+def peak_memory(args: argparse.Namespace, name: str, mode: str) -> float | None:
+    if args.device == "cuda":
+        model, inputs, loss, _ = build(name, args.smoke, "cuda")
+        m = Mode(mode, model, inputs, loss, args.low, "cuda")
+        m.train_step()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        m.train_step()
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - base) / 2**20
+    cmd = [sys.executable, os.path.abspath(__file__), "--memory-probe", f"{name}:{mode}",
+           "--dtype", args.dtype] + (["--smoke"] if args.smoke else [])
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    try:
+        return float(out.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        print(f"memory probe {name}:{mode} failed: {out.stderr.strip()[-300:]}", file=sys.stderr)
+        return None
+
+
+def memory_probe(args: argparse.Namespace) -> None:
+    """Peak live tensors of training steps above a baseline with the optimizer state
+    allocated and no gradients (``perf.memory_probe`` explains the measure)."""
+    name, mode = args.memory_probe.split(":")
+    model, inputs, loss, _ = build(name, args.smoke, "cpu")
+    m = Mode(mode, model, inputs, loss, args.low, "cpu")
+    for p in m.model.parameters():
+        p.grad = torch.zeros_like(p)
+    m.opt.step()
+    m.opt.zero_grad(set_to_none=True)
+    print(peak_live_tensors_mib(m.train_step, warmup=1, measured=2))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="ampgraph on third-party models at real sizes")
+    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--no-memory", action="store_true")
+    p.add_argument("--smoke", action="store_true", help="tiny configs, 1 step: harness check")
+    p.add_argument("--json", default="bench_results/real_models.json")
+    p.add_argument("--memory-probe", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.low = torch.bfloat16 if args.dtype == "bf16" else torch.float16
+    if args.memory_probe:
+        memory_probe(args)
+        return 0
+    if args.smoke:
+        args.steps, args.warmup = 1, 1
+    modes = args.modes.split(",")
+    results: dict[str, Any] = {
+        "machine": {"platform": platform.platform(), "threads": torch.get_num_threads(),
+                    "torch": torch.__version__,
+                    "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu"},
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "command": " ".join(["benchmarks/real_models.py"] + (argv or sys.argv[1:])),
+        "dtype": args.dtype, "models": {},
+    }
+    for name in args.models.split(","):
+        model, inputs, loss, source = build(name, args.smoke, args.device)
+        runs = [Mode(m, model, inputs, loss, args.low, args.device) for m in modes]
+        entry = {"source": source,
+                 "train": time_modes(runs, "train", args.steps, args.warmup),
+                 "infer": time_modes(runs, "infer", args.steps, args.warmup)}
+        if not args.no_memory:
+            entry["peak_tensor_mib"] = {m: peak_memory(args, name, m) for m in modes
+                                        if m != "O2-inductor"}
+        results["models"][name] = entry
+        print_table(name, entry, modes)
+        del runs
+    ratios = [e[w]["autocast"]["median_ms"] / e[w]["O2"]["median_ms"]
+              for e in results["models"].values() for w in ("train", "infer")
+              if "O2" in e[w] and "autocast" in e[w]]
+    if ratios:
+        results["geomean_o2_vs_autocast"] = math.exp(sum(map(math.log, ratios)) / len(ratios))
+        print(f"\ngeometric mean of O2/autocast speedups (train and inference): "
+              f"{results['geomean_o2_vs_autocast']:.2f}x")
+    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(results, f, indent=2)
+    print(f"wrote {args.json}")
+    return 0
+
+
+def print_table(name: str, entry: dict, modes: list[str]) -> None:
+    tr, inf = entry["train"], entry["infer"]
+    mem = entry.get("peak_tensor_mib", {})
+    print(f"\n{name} ({entry['source']}): median ms (min-max); x autocast: >1 = faster")
+    print(f"{'mode':13}{'train':>24}{'x autocast':>11}{'infer':>24}{'x autocast':>11}"
+          f"{'peak MiB':>10}")
+    for m in modes:
+        t, i = tr[m], inf[m]
+        peak = mem.get(m)
+        print(f"{m:13}{t['median_ms']:10.1f} ({t['min_ms']:6.1f}-{t['max_ms']:6.1f})"
+              f"{tr['autocast']['median_ms'] / t['median_ms']:11.2f}"
+              f"{i['median_ms']:10.1f} ({i['min_ms']:6.1f}-{i['max_ms']:6.1f})"
+              f"{inf['autocast']['median_ms'] / i['median_ms']:11.2f}"
+              + (f"{peak:10.0f}" if peak is not None else ""))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
