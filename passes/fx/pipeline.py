@@ -17,6 +17,7 @@ from passes.fx.fold import count_casts, fold_casts
 from passes.fx.fusions import channels_last_inputs, fuse_norm_casts, sink_gather_casts
 from passes.fx.graph import build_dataflow, prepare
 from passes.fx.hazards import mark_range_hazards
+from passes.fx.index_values import mark_index_values
 from passes.fx.insert_casts import annotate, insert_casts
 from passes.fx.layouts import contiguous_linear_inputs
 from passes.fx.routing import (
@@ -144,6 +145,8 @@ def amp_passes(
     ]
     if low in (torch.float16, torch.bfloat16) and policy.level != "O0":
         passes.append(named("mark_range_hazards", _mark_range_hazards, state, low))
+        if policy.level != "O3":
+            passes.append(named("mark_index_values", _mark_index_values, state))
     passes += [
         named("paint", _paint, state, policy),
         named("annotate", _annotate, state),
@@ -184,6 +187,11 @@ def _build_dataflow(gm: fx.GraphModule, state: PipelineState) -> PassResult:
 
 def _mark_range_hazards(gm: fx.GraphModule, state: PipelineState, low: torch.dtype) -> PassResult:
     mark_range_hazards(state.dataflow, gm, low)
+    return PassResult(gm, False)
+
+
+def _mark_index_values(gm: fx.GraphModule, state: PipelineState) -> PassResult:
+    mark_index_values(state.dataflow, gm)
     return PassResult(gm, False)
 
 

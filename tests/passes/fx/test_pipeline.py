@@ -51,7 +51,8 @@ def test_run_amp_passes_leaves_the_collector_on():
 
 
 EXPECTED_PASSES = [
-    "prepare", "build_dataflow", "mark_range_hazards", "paint", "annotate", "insert_casts",
+    "prepare", "build_dataflow", "mark_range_hazards", "mark_index_values", "paint",
+    "annotate", "insert_casts",
     "fold_casts", "fuse_norm_casts", "channels_last_inputs", "sink_gather_casts",
     "contiguous_linear_inputs", "verify",
     "count_casts", "route_weight_casts", "route_linears", "route_embeddings",
