@@ -13,6 +13,7 @@ from ampgraph.config import AmpConfig
 from ampgraph.module import AmpModule
 from ampgraph.report import PrecisionReport, explain
 from ampgraph.train import (
+    AdaptiveLossScaleManager,
     DynamicLossScaleManager,
     FixedLossScaleManager,
     LossScaleManager,
@@ -41,6 +42,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'ampgraph' has no attribute {name!r}")
 
 __all__ = [
+    "AdaptiveLossScaleManager",
     "AmpConfig",
     "AmpModule",
     "DynamicLossScaleManager",

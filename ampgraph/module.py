@@ -76,6 +76,7 @@ class AmpModule(nn.Module):
             _amp_model=model, amp_config=config, amp_dtype=low, _amp_path=path,
             _amp_graphs=OrderedDict(), _amp_lock=threading.RLock(), _amp_eager=None,
             _amp_eager_reason=None, _amp_last=None, _amp_weights=WeightCache(),
+            _amp_transforms=[],
         )
         self._amp_policy = config.policy(low)
 
@@ -136,6 +137,22 @@ class AmpModule(nn.Module):
     def original_module(self) -> nn.Module:
         """The user's module (shares all parameters with this one)."""
         return self._amp_model
+
+    def add_graph_transform(self, transform: Any) -> None:
+        """Run ``transform(gm)`` on every captured graph, now and after each new capture.
+
+        For training machinery that rewrites the compiled graph (per-layer loss scaling
+        inserts its gradient-scale ops this way). Submodules that fell back to eager
+        execution are not transformed.
+
+        Example:
+            >>> net.add_graph_transform(lambda gm: None)  # doctest: +SKIP
+        """
+        with self._amp_lock:
+            self._amp_transforms.append(transform)
+            for graphs in self._amp_graphs.values():
+                for compiled in graphs:
+                    transform(compiled.captured.gm)
 
     # -- execution ------------------------------------------------------------------------
 
@@ -200,6 +217,8 @@ class AmpModule(nn.Module):
             warnings.warn(
                 f"ampgraph: {self._amp_path or type(model).__name__} has no floating-point ops; "
                 "compiling it changes nothing", UserWarning, stacklevel=4)
+        for transform in self._amp_transforms:
+            transform(captured.gm)
         runner = captured.gm
         if backend is not None:  # hand the rewritten aten graph to torch.compile
             runner = torch.compile(captured.gm, backend=backend, dynamic=True)

@@ -54,3 +54,18 @@ def test_real_models_harness_smoke_mode(tmp_path):
         assert set(entry["train"]) == set(entry["infer"]) == {"fp32", "autocast", "O2"}
         assert all(v["median_ms"] > 0 for v in entry["train"].values())
     assert data["geomean_o2_vs_autocast"] > 0
+
+
+def test_numerics_quick_mode_reports_both_stories(tmp_path):
+    out = tmp_path / "numerics.json"
+    proc = run("benchmarks/numerics.py", "--quick", "--json", str(out), "--plots", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = json.loads(out.read_text())
+    scaling = data["loss_scaling"]
+    for kind in ("dynamic", "adaptive", "adaptive per_layer"):
+        assert scaling[kind]["skipped"] >= data["config"]["burst"]
+        assert len(scaling[kind]["scale"]) == data["config"]["steps"]
+    for task in ("digits", "transformer"):
+        rows = data["weights"][task]
+        assert rows["kahan"]["bytes_per_param"] < rows["fp32 masters"]["bytes_per_param"]
+    assert (tmp_path / "numerics_loss_scale.png").exists()

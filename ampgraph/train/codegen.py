@@ -51,6 +51,11 @@ class StepSpec:
         no_sync: the network is DDP: skip its gradient all-reduce on non-final micro-batches.
         monitor: call ``monitor.after_backward`` on stepping calls.
         multi_device: parameters live on several devices (unscale per device).
+        custom_unscale: the manager unscales (``manager.unscale_``: per-layer scales).
+        observe: hand the unscaled gradients to ``manager.observe_gradients`` (on clean steps
+            when the step synchronises).
+        update: the optimizer update when it is not ``optimizer.step()`` (16-bit weights:
+            ``update(optimizer)``).
     """
 
     title: str
@@ -66,6 +71,9 @@ class StepSpec:
     no_sync: bool = False
     monitor: bool = False
     multi_device: bool = False
+    custom_unscale: bool = False
+    observe: bool = False
+    update: bool = False
 
 
 def generate(spec: StepSpec) -> str:
@@ -121,14 +129,18 @@ def generate(spec: StepSpec) -> str:
         add("        return StepOutput(loss.detach(), torch.stack((found_inf, scale)), False)")
         add("    counters.micro = 0")
     # 3. unscale in fp32 with the fused non-finite check
-    if spec.scaled:
+    if spec.custom_unscale:
+        add("    # the manager unscales (per-layer scales); found_inf = 1 if any is inf/NaN")
+    elif spec.scaled:
         add("    # unscale the fp32 gradients in place; found_inf = 1 if any is inf/NaN")
         add("    inv_scale = scale.double().reciprocal().float()")
         inv = "inv_scale"
     else:
         add("    # no loss scaling: the fused kernel only checks for inf/NaN (multiplies by 1)")
         inv = "one"
-    if spec.multi_device:
+    if spec.custom_unscale:
+        add("    manager.unscale_(params, found_inf)  # per-layer scales")
+    elif spec.multi_device:
         add(f"    unscale_by_device(params, found_inf, {inv})")
     else:
         add("    grads = [p.grad for p in params if p.grad is not None]")
@@ -139,6 +151,14 @@ def generate(spec: StepSpec) -> str:
         add("    dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)")
     if spec.monitor:
         add("    monitor.after_backward(counters.step_index, module, optimizer, scale, found_inf)")
+    early = spec.observe and spec.decision == HOST
+    if early:  # statistics only on clean steps: synchronise before measuring
+        add("    info = torch.stack((found_inf, scale))  # this step's (overflow, scale)")
+        add("    host = to_host(info)  # the step's one host synchronisation")
+        add("    if not host[0]:")
+        add("        manager.observe_gradients(params, found_inf)")
+    elif spec.observe:
+        add("    manager.observe_gradients(params, found_inf)  # on the device, no sync")
     # 5. clip the unscaled gradients
     grad_norm = "None"
     if spec.clip_norm is not None:
@@ -146,12 +166,16 @@ def generate(spec: StepSpec) -> str:
             f"norm_type={spec.norm_type!r})")
         grad_norm = "grad_norm"
     # 6. optimizer step unless overflow
-    add("    info = torch.stack((found_inf, scale))  # this step's (overflow, scale)")
+    step_call = "update(optimizer)" if spec.update else "optimizer.step()"
+    if not early:
+        add("    info = torch.stack((found_inf, scale))  # this step's (overflow, scale)")
     host = "None"
     if spec.decision == HOST:
-        add("    host = to_host(info)  # the step's one host synchronisation")
-        add("    if not host[0]:")
-        add("        optimizer.step()")
+        if not early:
+            add("    host = to_host(info)  # the step's one host synchronisation")
+        if not early:
+            add("    if not host[0]:")
+        add(f"        {step_call}")
         host = "host"
     elif spec.decision == FOUND_INF:
         add("    # the fused optimizer skips its update on the device when found_inf is 1")
@@ -161,7 +185,7 @@ def generate(spec: StepSpec) -> str:
         add("    finally:")
         add("        del optimizer.found_inf")
     else:
-        add("    optimizer.step()  # drop_overflow_update=False: step even on overflow")
+        add(f"    {step_call}  # drop_overflow_update=False: step even on overflow")
     # 7. manager update (on the device)
     if spec.dynamic:
         add("    manager.update_loss_scale(found_inf)  # on the device, no sync")

@@ -123,6 +123,52 @@ class LossScaleManager:
         """Record one optimizer step's overflow flag (a bool or a 0/1 tensor)."""
         raise NotImplementedError
 
+    # -- optional hooks: the defaults are what the fixed and dynamic managers need --------
+
+    #: True when :meth:`observe_gradients` wants the unscaled gradients of clean steps.
+    wants_gradients: bool = False
+    #: True when gradients carry per-parameter scales (:meth:`unscale_` must be called).
+    custom_unscale: bool = False
+
+    def instrument(self, module: torch.nn.Module) -> None:
+        """Called once by ``build_train_step`` with the compiled module (default: nothing).
+
+        Example:
+            >>> FixedLossScaleManager().instrument(torch.nn.Linear(1, 1))
+        """
+
+    def unscale_(self, params: list[torch.Tensor], found_inf: torch.Tensor) -> None:
+        """Divide every ``p.grad`` by its scale in place; set ``found_inf`` on inf/NaN.
+
+        The default divides all by :attr:`scale` with the fused kernel (one call per device).
+        A trainer integration calls this after backward instead of unscaling itself.
+
+        Example:
+            >>> p = torch.nn.Parameter(torch.ones(2)); p.grad = torch.full((2,), 8.0)
+            >>> flag = torch.zeros(())
+            >>> FixedLossScaleManager(8).unscale_([p], flag); p.grad.tolist()
+            [1.0, 1.0]
+        """
+        inv = self._scale.double().reciprocal().float()
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for p in params:
+            if p.grad is not None:
+                by_device.setdefault(p.grad.device, []).append(p.grad)
+        for device, grads in by_device.items():
+            flag = torch.zeros((), dtype=torch.float32, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, inv.to(device))
+            found_inf.logical_or_(flag.to(found_inf.device))
+
+    def observe_gradients(self, params: list[torch.Tensor], found_inf: torch.Tensor) -> None:
+        """See the unscaled gradients before the optimizer step (default: nothing).
+
+        The train step calls it only when :attr:`wants_gradients`, after :meth:`unscale_` and
+        the overflow all-reduce, and (when it synchronises anyway) only on clean steps.
+
+        Example:
+            >>> FixedLossScaleManager().observe_gradients([], torch.zeros(()))
+        """
+
     def to(self, device: torch.device | str) -> LossScaleManager:
         """Move the state tensors to ``device`` (in place) and return self.
 

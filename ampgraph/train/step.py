@@ -30,6 +30,12 @@ from ampgraph.train.codegen import (
     runtime_helpers,
 )
 from ampgraph.train.loss_scale import DynamicLossScaleManager, LossScaleManager
+from ampgraph.train.low_precision_weights import (
+    MASTER_WEIGHTS,
+    LowPrecisionUpdate,
+    check_supported,
+    convert_weights,
+)
 
 __all__ = ["StepOutput", "TrainStep", "build_train_step"]
 
@@ -70,6 +76,7 @@ class TrainStep:
         monitor: Any,
         group: Any,
         params: list[nn.Parameter],
+        update: LowPrecisionUpdate | None = None,
     ) -> None:
         self.network, self.module = network, module
         self.loss_fn, self.optimizer = loss_fn, optimizer
@@ -77,6 +84,7 @@ class TrainStep:
         self.accumulation_steps = spec.accumulation_steps
         self.clip_grad_norm = clip_grad_norm
         self.monitor = monitor
+        self.weight_update = update  # None with fp32 master weights
         self.amp_level: str = module.amp_config.amp_level
         self.amp_dtype: torch.dtype = module.amp_dtype
         self.spec = spec
@@ -91,7 +99,7 @@ class TrainStep:
             "found_inf": self._found_inf,
             "one": torch.ones((), dtype=torch.float32, device=device),
             "counters": self._counters, "group": group, "monitor": monitor,
-            "StepOutput": StepOutput,
+            "StepOutput": StepOutput, "update": update,
         })
 
     @property
@@ -179,6 +187,7 @@ def build_train_step(
     clip_grad_norm: float | None = None,
     accumulation_steps: int = 1,
     monitor: Any = None,
+    master_weights: str = "fp32",
     **compile_kwargs: Any,
 ) -> TrainStep:
     """Compile ``model`` and generate a mixed-precision training step for it.
@@ -202,6 +211,12 @@ def build_train_step(
             unscaled (and the flag all-reduced), before clipping and the optimizer step.
             ``loss_scale`` and ``overflow`` are 0-dim tensors on the device (call ``.item()``
             only if you accept a host sync).
+        master_weights: "fp32" (fp32 parameters, the default); "kahan" or "stochastic":
+            floating parameters (norm parameters excepted) are stored in the low dtype in
+            place and updated with Kahan compensation or stochastic rounding into bf16
+            (``ampgraph.train.low_precision_weights``; SGD, Adam, AdamW); "none": 16-bit
+            parameters with round-to-nearest updates (a baseline). Build the step before the
+            compiled model's first call.
         **compile_kwargs: forwarded to ``ampgraph.compile`` (keep_batchnorm_fp32, ...).
 
     Returns:
@@ -236,6 +251,8 @@ def build_train_step(
     manager = _resolve_manager(loss_scale_manager, module.amp_dtype)
     if manager is not None:
         manager.to(device)
+        manager.instrument(module)
+    update = _weight_update(master_weights, module, optimizer)
     distributed, group = _distributed(network)
     has_monitor = monitor is not None and callable(getattr(monitor, "after_backward", None))
     spec = StepSpec(
@@ -244,18 +261,43 @@ def build_train_step(
         cast_outputs=not module.amp_config.keep_io_types,
         scaled=manager is not None,
         dynamic=manager is not None and manager.dynamic,
-        decision=_decision(optimizer, manager),
+        decision=_decision(optimizer, manager, update is not None),
         clip_norm=clip_grad_norm,
         distributed=distributed,
         accumulation_steps=accumulation_steps,
         no_sync=accumulation_steps > 1 and isinstance(network, DistributedDataParallel),
         monitor=has_monitor,
         multi_device=len({p.device for p in params}) > 1,
+        custom_unscale=manager is not None and manager.custom_unscale,
+        observe=manager is not None and manager.wants_gradients,
+        update=update is not None,
     )
     return TrainStep(
         network=network, module=module, loss_fn=loss_fn, optimizer=optimizer, manager=manager,
         spec=spec, clip_grad_norm=clip_grad_norm, monitor=monitor, group=group, params=params,
+        update=update,
     )
+
+
+def _weight_update(mode: Any, module: nn.Module, optimizer: torch.optim.Optimizer
+                   ) -> LowPrecisionUpdate | None:
+    """Convert the parameters to 16 bits in place and return their update rule (or None)."""
+    if mode not in MASTER_WEIGHTS:
+        raise ValueError(f"master_weights must be one of {MASTER_WEIGHTS}, got {mode!r}")
+    if mode == "fp32":
+        return None
+    low = module.amp_dtype
+    if module.amp_config.amp_level == "O0" or low not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"master_weights={mode!r} stores weights in the low dtype: compile "
+                         f"at O1-O3 with dtype bf16 or fp16, not {module.amp_config.amp_level}")
+    if mode == "stochastic" and low != torch.bfloat16:
+        raise ValueError("master_weights='stochastic' rounds into bf16: use dtype='bf16' "
+                         "(or master_weights='kahan' for fp16)")
+    check_supported(optimizer)
+    convert_weights(module.original_module, low)
+    module._amp_graphs.clear()  # graphs captured with fp32 parameters are stale
+    update = LowPrecisionUpdate(mode)
+    return update
 
 
 def _resolve_network(
@@ -342,9 +384,12 @@ def _train_params(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[n
     return params
 
 
-def _decision(optimizer: torch.optim.Optimizer, manager: LossScaleManager | None) -> str:
+def _decision(optimizer: torch.optim.Optimizer, manager: LossScaleManager | None,
+              own_update: bool = False) -> str:
     if manager is not None and not manager.get_drop_overflow_update():
         return ALWAYS
+    if own_update:  # the 16-bit update rule is not a fused optimizer: decide on the host
+        return HOST
     if not getattr(optimizer, "_step_supports_amp_scaling", False):
         return HOST
     # torch's fused SGD with momentum leaves torch.empty momentum buffers when its very first

@@ -5,7 +5,8 @@ from __future__ import annotations
 import ampgraph
 
 EXPECTED = {
-    "AmpConfig", "AmpModule", "DynamicLossScaleManager", "FixedLossScaleManager",
+    "AdaptiveLossScaleManager", "AmpConfig", "AmpModule", "DynamicLossScaleManager",
+    "FixedLossScaleManager",
     "LossScaleManager", "NumericsMonitor", "NumericsWarning", "OnnxModelError",
     "PrecisionReport", "StepOutput", "TrainStep", "ValidationReport", "build_train_step",
     "compile", "convert_onnx", "explain", "export_onnx", "onnx_session", "validate_onnx",
