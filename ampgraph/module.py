@@ -24,9 +24,10 @@ from torch import fx, nn
 from ampgraph.capture import (
     Captured,
     export_module,
+    flatten_inputs,
     preserved_global_state,
     share_state,
-    signature,
+    signature_of,
 )
 from ampgraph.config import AmpConfig, dtype_name
 from ampgraph.runtime.attention import amp_attention
@@ -168,13 +169,14 @@ class AmpModule(nn.Module):
             if self._amp_eager is not None:
                 return None
             try:
-                key = (self.training, signature(args, kwargs))
+                leaves, spec = flatten_inputs(args, kwargs)
             except Exception as exc:  # e.g. a cache whose layer types its flatten refuses
                 self._go_eager(f"inputs cannot be flattened: {_first_line(exc)}")
                 return None
+            key = (self.training, signature_of(leaves, spec))
             graphs = self._amp_graphs.setdefault(key, [])
             for compiled in graphs:
-                if compiled.captured.accepts(args, kwargs):
+                if compiled.captured.accepts_leaves(leaves):
                     self.__dict__["_amp_last"] = compiled
                     return compiled
             compiled = self._capture(args, kwargs)

@@ -14,9 +14,11 @@ from ampgraph.capture.export import (
     ExportRoot,
     dynamic_spec,
     export_module,
+    flatten_inputs,
     quiet_export_logs,
     share_state,
     signature,
+    signature_of,
 )
 from ampgraph.capture.hf_caches import register_hf_caches
 from ampgraph.capture.state import preserved_global_state
@@ -27,11 +29,13 @@ __all__ = [
     "ExportRoot",
     "dynamic_spec",
     "export_module",
+    "flatten_inputs",
     "flatten_output",
     "preserved_global_state",
     "quiet_export_logs",
     "register_hf_caches",
     "share_state",
     "signature",
+    "signature_of",
     "unflatten_output",
 ]
