@@ -92,3 +92,22 @@ def test_convert_into_the_source_tensor_itself():
 def test_cast_bulk_refuses_what_it_does_not_handle():
     assert cast_bulk(np.zeros(4, np.float64), F16) is None
     assert cast_bulk(np.zeros(4, np.float32), TensorProto.FLOAT) is None
+
+
+@pytest.mark.parametrize("torch_loaded", [True, False])
+def test_torch_and_numpy_casts_agree_bit_for_bit(torch_loaded, monkeypatch):
+    import sys
+
+    import torch  # noqa: F401 - loaded, so cast_bulk may use it
+
+    rng = np.random.default_rng(1)
+    arr = np.concatenate([rng.standard_normal(300_001) * s for s in (1e-8, 0.02, 300.0)])
+    arr = arr.astype(np.float32)
+    arr[::7] = -arr[::7]
+    arr[:3] = [0.0, -0.0, 65504.0]
+    if not torch_loaded:
+        monkeypatch.delitem(sys.modules, "torch")
+    got = cast_bulk(arr, F16)
+    ref = np.where((np.abs(arr) > 0) & (np.abs(arr) < 2.0**-24),
+                   np.copysign(np.float32(2.0**-24), arr), arr).astype(np.float16)
+    assert got == ref.tobytes()
