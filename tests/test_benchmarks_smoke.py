@@ -69,3 +69,18 @@ def test_numerics_quick_mode_reports_both_stories(tmp_path):
         rows = data["weights"][task]
         assert rows["kahan"]["bytes_per_param"] < rows["fp32 masters"]["bytes_per_param"]
     assert (tmp_path / "numerics_loss_scale.png").exists()
+
+
+def test_onnx_convert_speed_smoke(tmp_path):
+    """A one-layer BERT of width 32, exported once into tmp_path, one run per tool."""
+    out = tmp_path / "speed.json"
+    proc = run("benchmarks/onnx_convert_speed.py", "--tiny", "--repeat", "1",
+               "--cache", str(tmp_path), "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert set(data["tools"]) == {"ampgraph", "onnxconverter-common"}
+    assert all(v["median_s"] > 0 for v in data["tools"].values())
+    phases = data["ampgraph_phases_median_s"]  # every wrapped phase was found and ran
+    assert {"load + input check", "rewrite (casts, initializers)", "verify"} <= set(phases)
+    assert phases["rewrite (casts, initializers)"] > 0 and phases["verify"] > 0
+    assert "ampgraph by phase" in proc.stdout

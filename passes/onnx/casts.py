@@ -135,6 +135,7 @@ class Rewriter:
         self.new_inits: dict[int, list] = defaultdict(list)
         self.created: dict[str, Scope] = {}
         self.clamped: dict[str, int] = {}
+        self.written: set[str] = set()
         self.casts = 0
 
     def run(self) -> dict:
@@ -155,7 +156,9 @@ class Rewriter:
         for scope in reversed(self.index.scopes):  # innermost first: extend() copies nodes
             self._rebuild(scope)
         rename_values(self.index.model, renames)
-        return {"casts": self.casts, "clamped": dict(self.clamped), "dtypes": self.dtype}
+        written = {renames.get(n, n) for n in self.written}  # initializers written here
+        return {"casts": self.casts, "clamped": dict(self.clamped), "dtypes": self.dtype,
+                "written": written}
 
     # -- phase 2 -------------------------------------------------------------------------
     def _materialise_dtypes(self) -> None:
@@ -190,11 +193,13 @@ class Rewriter:
         new = self.index.fresh(f"{name}_{DTYPE_TAG.get(dtype, dtype)}")
         role = v.producer.role if v.producer is not None else v.origin
         if role in ("init", "const"):
-            tensor, n = convert_tensor(const_tensor(v), dtype, new)
+            tensor, n = convert_tensor(const_tensor(v), dtype, new,
+                                       known=self.index.bounds.get(name))
             self._note_clamp(name, n)
             made = const_variant(self.index, v, tensor, new)
             if v.tensor is not None:
                 self.new_inits[id(v.scope)].append(made)
+                self.written.add(new)
             else:
                 self.after[v.producer.name].append(made)
         elif role == "retarget":  # a second Cast from the same int/bool source
@@ -243,10 +248,13 @@ class Rewriter:
             if v is None or dtype == v.dtype:
                 continue
             role = v.producer.role if v.producer is not None else v.origin
-            if role in ("init", "const"):
-                tensor, n = convert_tensor(const_tensor(v), dtype, name)
+            if role in ("init", "const"):  # an initializer is converted straight into place
+                tensor, n = convert_tensor(const_tensor(v), dtype, name, out=v.tensor,
+                                           known=self.index.bounds.get(name))
                 self._note_clamp(name, n)
                 set_const(v, tensor)
+                if v.tensor is not None:
+                    self.written.add(name)
             elif role == "retarget":
                 node = v.producer.node
                 for attr in node.attribute:

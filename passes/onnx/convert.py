@@ -25,6 +25,7 @@ from passes.onnx.initializers import (
 )
 from passes.onnx.policy import FLOAT, LOW_DTYPES, ONNX_TABLE
 from passes.onnx.schema import low_blocker
+from passes.onnx.skeleton import attach_data, detached_copy
 from passes.onnx.verify import verify_model
 from passes.paint import Assignment, Decision, paint
 from passes.policy import FP32, make_policy
@@ -104,17 +105,16 @@ def convert_model(
     if dtype not in LOW_DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}: choose 'fp16' or 'bf16'")
     low = LOW_DTYPES[dtype]
-    work = ModelProto()
-    if copy:
-        work.CopyFrom(model)
-    else:
-        work = model
+    # a copy without the large weights' data: each is converted from the caller's tensor
+    # straight into its stub, or copied at the end (attach_data) if it stays as it is
+    work, pairs = detached_copy(model) if copy else (model, [])
+    sources = {stub.name: source for stub, source in pairs}
     if level == "O0":  # nothing changes: index (it names unnamed nodes) a throwaway copy
         shadow = ModelProto()
         shadow.CopyFrom(work)
-        index = ModelIndex.build(shadow)
+        index = ModelIndex.build(shadow, sources)
     else:
-        index = ModelIndex.build(work)
+        index = ModelIndex.build(work, sources)
     graph = build_dataflow(index)
     types = index.types()
     forced: dict[str, str] = {}
@@ -132,23 +132,26 @@ def convert_model(
         )
         assignment = _tidy(paint(graph, policy), forced)
         if level == "O0":
+            attach_data(pairs)
             return ConversionResult(work, assignment, graph)
         requests = collect_requests(index, assignment, low, keep_io_types)
         precision = {k: d.precision for k, d in assignment.items() if isinstance(k, str)}
-        extra = unsafe_range_consumers(index, _low_readers(index, requests, low), low, precision)
-        extra.update({k: v for k, v in large_constant_cones(index, low, precision).items()
-                      if k not in forced})
+        readers = _low_readers(index, requests, low)  # constants' bounds: read once, kept
+        extra = unsafe_range_consumers(index, readers, low, precision, index.bounds)
+        cones = large_constant_cones(index, low, precision, index.bounds)
+        extra.update({k: v for k, v in cones.items() if k not in forced})
         if not extra:
             break
         forced.update(extra)
     io_types = _io_types(work, keep_io_types)
     expected = _expected(requests)
     stats = Rewriter(index, requests, low, keep_io_types).run()
+    attach_data(pairs)
     message = clamp_warning(stats["clamped"].items(), low)
     if message:
         warnings.warn(message, ConstantRangeWarning, stacklevel=2)
     if check:
-        verify_model(work, io_types=io_types, expected=expected)
+        verify_model(work, io_types=io_types, expected=expected, sized=stats["written"])
     return ConversionResult(work, assignment, graph, stats["casts"], stats["clamped"], forced)
 
 

@@ -27,6 +27,7 @@ import onnx
 from onnx import GraphProto, ModelProto, NodeProto, TensorProto
 
 from passes.onnx.policy import CONTROL_FLOW, FLOAT_TYPES
+from passes.onnx.skeleton import skeleton
 
 PAINT_KIND = {
     "compute": "compute",
@@ -37,7 +38,6 @@ PAINT_KIND = {
     "fixed": "source",
     "nonfloat": "nonfloat",
 }
-_BIG = 4096  # initializers above this many bytes are left out of shape inference
 
 
 @dataclass(eq=False)
@@ -77,6 +77,10 @@ class NodeRec:
 class ValueRec:
     """A value: where it comes from and its original dtype (0 when unknown).
 
+    ``tensor`` is the initializer in the model being converted; ``source``, when set, is
+    the caller's tensor holding its data (``tensor`` is then a stub of
+    ``skeleton.detached_copy``, given data when converted or at the end).
+
     Example:
         >>> ModelIndex.build(model).values["W"].origin
         'init'
@@ -88,6 +92,7 @@ class ValueRec:
     origin: str  # "input" | "formal" | "init" | "node"
     producer: NodeRec | None = None
     tensor: TensorProto | None = None
+    source: TensorProto | None = None
 
 
 @dataclass(eq=False)
@@ -106,11 +111,19 @@ class ModelIndex:
     values: dict[str, ValueRec] = field(default_factory=dict)
     consumers: dict[str, list[tuple[NodeRec, int]]] = field(default_factory=dict)
     names: set[str] = field(default_factory=set)
+    sources: dict[str, TensorProto] = field(default_factory=dict)
+    bounds: dict[str, tuple[float, float]] = field(default_factory=dict)  # constant: min, max
 
     @classmethod
-    def build(cls, model: ModelProto) -> ModelIndex:
-        """Index ``model`` in place: unnamed or duplicate nodes get unique names."""
+    def build(cls, model: ModelProto, sources: dict[str, TensorProto] | None = None
+              ) -> ModelIndex:
+        """Index ``model`` in place: unnamed or duplicate nodes get unique names.
+
+        ``sources``: main-graph initializer name -> the tensor holding its data, for a
+        model from ``skeleton.detached_copy``.
+        """
         index = cls(model)
+        index.sources = sources or {}
         opsets = {
             ("" if o.domain == "ai.onnx" else o.domain): o.version for o in model.opset_import
         }
@@ -129,8 +142,10 @@ class ModelIndex:
         origin = "input" if scope.parent is None else "formal"
         for vi in g.input:
             self._add_value(vi.name, types.get(vi.name, 0), scope, origin)
+        main = scope.parent is None
         for init in g.initializer:
-            self._add_value(init.name, init.data_type, scope, "init", tensor=init)
+            source = self.sources.get(init.name) if main else None
+            self._add_value(init.name, init.data_type, scope, "init", tensor=init, source=source)
         for i, node in enumerate(g.node):
             if not node.name or node.name in seen_nodes:
                 node.name = _fresh(f"{node.op_type}_{len(self.nodes)}_{i}", seen_nodes)
@@ -272,30 +287,6 @@ def infer_types(model: ModelProto, *, strict: bool = False) -> dict[str, int]:
                     elif attr.name in ("value_float", "value_floats"):
                         types[node.output[0]] = TensorProto.FLOAT
     return types
-
-
-def skeleton(model: ModelProto) -> ModelProto:
-    """A copy of ``model`` whose large initializers of the main graph keep their name, dtype
-    and shape but no data (marked external): cheap to serialize, whatever the model size.
-
-    Example:
-        >>> onnx.shape_inference.infer_shapes(skeleton(model_over_2gb))
-    """
-    sk = ModelProto(ir_version=model.ir_version, producer_name=model.producer_name)
-    sk.opset_import.extend(model.opset_import)
-    sk.functions.extend(model.functions)
-    g, h = model.graph, sk.graph
-    h.name = g.name
-    for field_name in ("node", "input", "output", "value_info", "sparse_initializer"):
-        getattr(h, field_name).extend(getattr(g, field_name))
-    for t in g.initializer:
-        if len(t.raw_data) <= _BIG:
-            h.initializer.append(t)
-            continue
-        stub = h.initializer.add(name=t.name, data_type=t.data_type, dims=t.dims)
-        stub.data_location = TensorProto.EXTERNAL
-        stub.external_data.add(key="location", value="__ampgraph_detached__")
-    return sk
 
 
 def _all_graphs(graph: GraphProto) -> Iterator[GraphProto]:

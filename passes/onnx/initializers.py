@@ -25,6 +25,7 @@ from onnx import TensorProto, helper, numpy_helper
 from passes._infra import ConstantRangeWarning  # noqa: F401 - re-exported
 from passes.onnx.graph import ModelIndex, NodeRec, ValueRec
 from passes.onnx.policy import BFLOAT16, DATA_MOVES, FLOAT16, SATURATING, dtype_limits
+from passes.onnx.tensor_data import bounds, cast_bulk, fits, read_float
 
 _SMALL = 16  # tensors up to this size are scalars/epsilons: any clamp is reported
 VALUE_FREE = frozenset({"Shape", "Size"})  # read only the shape of their input
@@ -32,14 +33,14 @@ _NP = {FLOAT16: np.float16, BFLOAT16: ml_dtypes.bfloat16, TensorProto.FLOAT: np.
 
 
 def const_tensor(value: ValueRec) -> TensorProto:
-    """The tensor held by a constant value (initializer, Constant or ConstantOfShape).
+    """The tensor holding a constant value's data (initializer, Constant or ConstantOfShape).
 
     Example:
         >>> const_tensor(index.values["W"]).dims
         [4, 4]
     """
     if value.tensor is not None:
-        return value.tensor
+        return value.source if value.source is not None else value.tensor
     node = value.producer.node
     for attr in node.attribute:
         if attr.name == "value":
@@ -86,13 +87,40 @@ def range_stats(arr: np.ndarray, dtype: int) -> tuple[int, int, int]:
     return neg, int(np.count_nonzero(over)) - neg, under
 
 
-def convert_tensor(tensor: TensorProto, dtype: int, name: str) -> tuple[TensorProto, int]:
+def within_range(value: ValueRec, dtype: int, cache: dict | None = None) -> bool:
+    """Whether no finite value of a float constant is beyond the largest of ``dtype``.
+
+    True means ``range_stats`` would count nothing too large; False (NaN included) means
+    "look closer" with ``range_stats``. Two reductions over the data, cached by value name
+    in ``cache`` (the bounds do not depend on ``dtype``).
+
+    Example:
+        >>> within_range(index.values["mask"], TensorProto.FLOAT16)
+        False
+    """
+    if cache is None or value.name not in cache:
+        tensor = const_tensor(value)
+        arr = read_float(tensor)
+        found = bounds(arr if arr is not None else to_array(tensor))
+        if cache is None:
+            return fits(*found, dtype)
+        cache[value.name] = found
+    return fits(*cache[value.name], dtype)
+
+
+def convert_tensor(tensor: TensorProto, dtype: int, name: str,
+                   out: TensorProto | None = None,
+                   known: tuple[float, float] | None = None) -> tuple[TensorProto, int]:
     """``tensor`` converted to ``dtype`` with out-of-range values clamped.
 
     Returns the new tensor and how many values were clamped that deserve a warning: every
     value beyond the largest finite one, and tiny non-zero values (raised to the smallest
     subnormal) in small tensors such as an epsilon; in large weight tensors the latter
-    are raised silently. ±inf and NaN are kept.
+    are raised silently. ±inf and NaN are kept. ``out``: a tensor to overwrite with the
+    result (it may be ``tensor`` itself); ``known``: the data's (min, max), if computed.
+
+    Large float32 weights within range take one cast from their bytes
+    (``tensor_data.cast_bulk``), bit for bit what the general path below gives.
 
     Example:
         >>> t, n = convert_tensor(numpy_helper.from_array(np.array([1e5], np.float32)),
@@ -100,7 +128,14 @@ def convert_tensor(tensor: TensorProto, dtype: int, name: str) -> tuple[TensorPr
         >>> numpy_helper.to_array(t), n
         (array([65504.], dtype=float16), 1)
     """
-    arr = np.asarray(to_array(tensor), dtype=np.float32)
+    dims, doc = list(tensor.dims), tensor.doc_string
+    arr = read_float(tensor) if tensor.data_type == TensorProto.FLOAT else None
+    if arr is not None and arr.size > _SMALL and fits(*(known or bounds(arr)), dtype):
+        data = cast_bulk(arr, dtype)
+        if data is not None:
+            return _filled(out if out is not None else TensorProto(), name, dtype, dims, data,
+                           doc), 0
+    arr = np.asarray(arr if arr is not None else to_array(tensor), dtype=np.float32)
     big, tiny = dtype_limits(dtype)
     neg, pos, under = range_stats(arr, dtype)
     if neg or pos:
@@ -109,9 +144,25 @@ def convert_tensor(tensor: TensorProto, dtype: int, name: str) -> tuple[TensorPr
     if under:
         small = (np.abs(arr) > 0) & (np.abs(arr) < tiny)
         arr = np.where(small, np.copysign(np.float32(tiny), arr), arr)
-    out = numpy_helper.from_array(arr.astype(_NP[dtype]), name)
-    out.doc_string = tensor.doc_string
-    return out, neg + pos + (under if arr.size <= _SMALL else 0)
+    result = numpy_helper.from_array(arr.astype(_NP[dtype]), name)
+    result.doc_string = doc
+    if out is not None:
+        out.CopyFrom(result)
+        result = out
+    return result, neg + pos + (under if arr.size <= _SMALL else 0)
+
+
+def _filled(t: TensorProto, name: str, dtype: int, dims: list[int], data: bytes,
+            doc: str) -> TensorProto:
+    """``t`` holding what ``numpy_helper.from_array`` and the doc_string would give."""
+    t.Clear()
+    t.dims.extend(dims)
+    if name:
+        t.name = name
+    t.data_type = dtype
+    t.raw_data = data
+    t.doc_string = doc
+    return t
 
 
 def set_const(value: ValueRec, tensor: TensorProto) -> None:
@@ -121,7 +172,8 @@ def set_const(value: ValueRec, tensor: TensorProto) -> None:
         >>> set_const(value, convert_tensor(const_tensor(value), FLOAT16, value.name)[0])
     """
     if value.tensor is not None:
-        value.tensor.CopyFrom(tensor)
+        if tensor is not value.tensor:  # convert_tensor(out=value.tensor) wrote it already
+            value.tensor.CopyFrom(tensor)
         return
     node = value.producer.node
     keep = [a for a in node.attribute if a.name not in ("value", "value_float", "value_floats")]
@@ -155,6 +207,7 @@ def unsafe_range_consumers(
     low_readers: dict[str, list[tuple[NodeRec, int]]],
     low: int,
     precision: dict[str, str],
+    cache: dict | None = None,
 ) -> dict[str, str]:
     """Nodes to keep in FP32 because clamping a constant they read would change results.
 
@@ -163,6 +216,7 @@ def unsafe_range_consumers(
         low_readers: constant value name -> the (node, input slot) reading it in ``low``.
         low: the low dtype.
         precision: node name -> painted precision ("low"/"fp32"/"n/a").
+        cache: bounds of constants by name, shared between calls (``within_range``).
 
     Returns:
         node name -> reason, for the low readers (and data moves after them) of constants
@@ -176,6 +230,8 @@ def unsafe_range_consumers(
     forced: dict[str, str] = {}
     for name, readers in low_readers.items():
         value = index.values[name]
+        if within_range(value, low, cache):
+            continue
         arr = to_array(const_tensor(value))
         neg, pos, _ = range_stats(arr, low)
         if not (neg or pos):
@@ -199,7 +255,8 @@ def unsafe_range_consumers(
     return forced
 
 
-def large_constant_cones(index: ModelIndex, low: int, precision: dict[str, str]) -> dict:
+def large_constant_cones(index: ModelIndex, low: int, precision: dict[str, str],
+                         cache: dict | None = None) -> dict:
     """Low nodes downstream of any reader (fp32 or low) of a large positive constant.
 
     A product like ``x * 1e5`` computed in fp32 is still beyond fp16's range, so the low ops
@@ -214,6 +271,8 @@ def large_constant_cones(index: ModelIndex, low: int, precision: dict[str, str])
         is_const = value.tensor is not None or (
             value.producer is not None and value.producer.role == "const")
         if not is_const or value.dtype not in (TensorProto.FLOAT, TensorProto.DOUBLE):
+            continue
+        if within_range(value, low, cache):
             continue
         arr = to_array(const_tensor(value))
         _, pos, _ = range_stats(arr, low)
@@ -299,4 +358,5 @@ __all__ = [
     "range_stats",
     "set_const",
     "unsafe_range_consumers",
+    "within_range",
 ]

@@ -15,7 +15,9 @@ from pathlib import Path
 import onnx
 from onnx import ModelProto, TensorProto, helper
 
+from passes.onnx.skeleton import check_structure
 from passes.onnx.subgraphs import all_graphs
+from passes.onnx.tensor_data import nbytes
 
 ModelLike = ModelProto | str | os.PathLike | bytes
 EXTERNAL_DATA_BYTES = 1_800_000_000  # above this, weights are written as external data
@@ -67,7 +69,7 @@ def load_model(model: ModelLike) -> tuple[ModelProto, bool]:
                              "nothing was written")
     try:
         if data_bytes(proto) <= EXTERNAL_DATA_BYTES:
-            onnx.checker.check_model(proto)
+            check_structure(proto)  # check_model without serializing the weights
         elif isinstance(model, str | os.PathLike):
             onnx.checker.check_model(str(model))  # path-based: no 2 GB protobuf limit
     except Exception as exc:
@@ -111,13 +113,14 @@ def has_dtype(model: ModelProto, dtype: int) -> bool:
 
 
 def data_bytes(model: ModelProto) -> int:
-    """Bytes of initializer data held in memory (subgraphs included).
+    """Bytes of initializer data held in memory (subgraphs included), from their dims:
+    reading ``raw_data`` would copy it.
 
     Example:
         >>> data_bytes(model) > EXTERNAL_DATA_BYTES  # write with external data
         False
     """
-    return sum(len(t.raw_data) for g in all_graphs(model.graph) for t in g.initializer)
+    return sum(nbytes(t) for g in all_graphs(model.graph) for t in g.initializer)
 
 
 def save_model(model: ModelProto, path: Path, external: bool) -> ModelProto:
