@@ -56,6 +56,7 @@ def test_real_models_harness_smoke_mode(tmp_path):
     assert data["geomean_o2_vs_autocast"] > 0
 
 
+@pytest.mark.slow
 def test_numerics_quick_mode_reports_both_stories(tmp_path):
     out = tmp_path / "numerics.json"
     proc = run("benchmarks/numerics.py", "--quick", "--json", str(out), "--plots", str(tmp_path))
@@ -71,6 +72,7 @@ def test_numerics_quick_mode_reports_both_stories(tmp_path):
     assert (tmp_path / "numerics_loss_scale.png").exists()
 
 
+@pytest.mark.slow
 def test_onnx_convert_speed_smoke(tmp_path):
     """A one-layer BERT of width 32, exported once into tmp_path, one run per tool."""
     out = tmp_path / "speed.json"
