@@ -77,8 +77,9 @@ class TrainStep:
         self.accumulation_steps = spec.accumulation_steps
         self.clip_grad_norm = clip_grad_norm
         self.monitor = monitor
-        self.amp_level: str = module.amp_config.amp_level
-        self.amp_dtype: torch.dtype = module.amp_dtype
+        amp = amp_of(module)
+        self.amp_level: str = amp.amp_config.amp_level
+        self.amp_dtype: torch.dtype = amp.amp_dtype
         self.spec = spec
         self._counters = Counters()
         device = params[0].device
@@ -185,7 +186,9 @@ def build_train_step(
 
     Args:
         model: an fp32 ``nn.Module``; or a module returned by ``ampgraph.compile``; or one
-            wrapped in ``DistributedDataParallel`` after compiling. A compiled model is not
+            wrapped in ``DistributedDataParallel`` after compiling; or one whose blocks were
+            compiled one by one (regional compilation, e.g. under FSDP2's ``fully_shard``,
+            whose DTensor gradients are unscaled per shard). A compiled model is not
             compiled again: ``amp_level``/``dtype`` left at their defaults take the compiled
             values, explicit values must agree with them.
         loss_fn: ``loss_fn(output, target)`` with the target as the last positional argument
@@ -233,24 +236,28 @@ def build_train_step(
         raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer)}")
     params = _train_params(module, optimizer)
     device = model_device(module)
-    manager = _resolve_manager(loss_scale_manager, module.amp_dtype)
+    amp = amp_of(module)
+    manager = _resolve_manager(loss_scale_manager, amp.amp_dtype)
+    sharded = _sharded(params)
     if manager is not None:
         manager.to(device)
     distributed, group = _distributed(network)
     has_monitor = monitor is not None and callable(getattr(monitor, "after_backward", None))
     spec = StepSpec(
-        title=_title(module, manager, clip_grad_norm, accumulation_steps, distributed),
+        title=_title(amp, manager, clip_grad_norm, accumulation_steps, distributed),
         has_loss_fn=loss_fn is not None,
-        cast_outputs=not module.amp_config.keep_io_types,
+        cast_outputs=not amp.amp_config.keep_io_types,
         scaled=manager is not None,
         dynamic=manager is not None and manager.dynamic,
-        decision=_decision(optimizer, manager),
+        decision=HOST if sharded and _decision(optimizer, manager) == FOUND_INF else (
+            _decision(optimizer, manager)),
         clip_norm=clip_grad_norm,
         distributed=distributed,
         accumulation_steps=accumulation_steps,
         no_sync=accumulation_steps > 1 and isinstance(network, DistributedDataParallel),
         monitor=has_monitor,
         multi_device=len({p.device for p in params}) > 1,
+        sharded=sharded,
     )
     return TrainStep(
         network=network, module=module, loss_fn=loss_fn, optimizer=optimizer, manager=manager,
@@ -275,6 +282,23 @@ def _resolve_network(
             )
         _check_compiled_matches(inner, amp_level, dtype)
         return model, inner
+    regions = [m for m in inner.modules() if isinstance(m, AmpModule)]
+    if regions:  # compiled per block ("regional"), e.g. before FSDP2's fully_shard per block
+        if compile_kwargs:
+            raise ValueError(
+                f"model holds modules compiled by ampgraph.compile, so build_train_step cannot "
+                f"apply {sorted(compile_kwargs)}: pass them to ampgraph.compile instead"
+            )
+        amp = amp_of(inner)
+        differ = [m for m in regions
+                  if (m.amp_config, m.amp_dtype) != (amp.amp_config, amp.amp_dtype)]
+        if differ:
+            raise ValueError(
+                f"the model's compiled blocks differ: {amp!r} vs {differ[0]!r}; compile every "
+                "block with the same amp_level, dtype and options"
+            )
+        _check_compiled_matches(amp, amp_level, dtype)
+        return model, inner
     if inner is not model:
         raise ValueError(
             "model is a DistributedDataParallel around an uncompiled module: compile first, "
@@ -285,6 +309,28 @@ def _resolve_network(
 
     compiled = ampgraph.compile(model, _plain(amp_level), _plain(dtype), **compile_kwargs)
     return compiled, compiled
+
+
+def amp_of(module: nn.Module) -> nn.Module:
+    """The AmpModule whose configuration a step uses: ``module`` itself, or the first
+    compiled block of a regionally compiled model.
+
+    Example:
+        >>> amp_of(ampgraph.compile(model)).amp_config.amp_level  # doctest: +SKIP
+        'O2'
+    """
+    from ampgraph.module import AmpModule
+
+    return next(m for m in module.modules() if isinstance(m, AmpModule))
+
+
+def _sharded(params: list[nn.Parameter]) -> bool:
+    """Some parameter is a DTensor (FSDP2's ``fully_shard``)."""
+    if not dist.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in params)
 
 
 def _plain(value: Any) -> Any:
@@ -363,9 +409,9 @@ def _distributed(network: nn.Module) -> tuple[bool, Any]:
     return dist.get_world_size(group) > 1, group
 
 
-def _title(module: nn.Module, manager: LossScaleManager | None, clip: float | None,
+def _title(amp: nn.Module, manager: LossScaleManager | None, clip: float | None,
            accumulation_steps: int, distributed: bool) -> str:
-    parts = [module.amp_config.amp_level, dtype_name(module.amp_dtype),
+    parts = [amp.amp_config.amp_level, dtype_name(amp.amp_dtype),
              type(manager).__name__ if manager is not None else "no loss scaling"]
     if clip is not None:
         parts.append(f"clip {clip}")
