@@ -1,9 +1,16 @@
-"""A compiled model through ``accelerator.prepare``: one process, two CPU processes
-(``accelerate.debug_launcher``, gloo), and Accelerate's autocast switched on."""
+"""A compiled model through ``accelerator.prepare``: one process, two CPU processes (gloo),
+and Accelerate's autocast switched on.
+
+The processes are spawned, not forked: ``accelerate.debug_launcher`` forks the pytest
+process, and a fork after earlier tests started threads can deadlock (it did, in the
+full suite). The workers set up what debug_launcher sets up: a gloo group on a file
+store and Accelerate's CPU environment variables.
+"""
 
 from __future__ import annotations
 
 import os
+import socket
 
 import pytest
 import torch
@@ -49,12 +56,37 @@ def _train(out_dir: str, mixed_precision: str, tag: str) -> None:
     torch.save(result, os.path.join(out_dir, f"{tag}{accelerator.process_index}.pt"))
 
 
-def test_prepare_trains_on_one_and_two_processes_and_ignores_autocast(tmp_path):
-    from accelerate import debug_launcher
+def _launch(index: int, world: int, port: int, out_dir: str) -> None:
+    import torch.distributed as dist
 
-    debug_launcher(_train, args=(str(tmp_path), "no", "one"), num_processes=1)
-    debug_launcher(_train, args=(str(tmp_path), "bf16", "autocast"), num_processes=1)
-    debug_launcher(_train, args=(str(tmp_path), "no", "two"), num_processes=2)
+    if world == 1:  # two independent single-process runs side by side
+        mixed, tag, rank = ("no", "one", 0) if index == 0 else ("bf16", "autocast", 0)
+    else:
+        mixed, tag, rank = "no", "two", index
+    os.environ["ACCELERATE_USE_CPU"] = "yes"
+    if world > 1:
+        os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank),
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        store = dist.FileStore(os.path.join(out_dir, "rdv"), world)
+        dist.init_process_group("gloo", rank=rank, world_size=world, store=store)
+    try:
+        _train(out_dir, mixed, tag)
+    finally:
+        if world > 1:
+            dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_prepare_trains_on_one_and_two_processes_and_ignores_autocast(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_launch, args=(1, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_launch, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
     one = torch.load(tmp_path / "one0.pt")
     autocast = torch.load(tmp_path / "autocast0.pt")
     two0, two1 = torch.load(tmp_path / "two0.pt"), torch.load(tmp_path / "two1.pt")
@@ -65,5 +97,5 @@ def test_prepare_trains_on_one_and_two_processes_and_ignores_autocast(tmp_path):
     assert autocast["losses"] == one["losses"]
     assert autocast["norm"] == {torch.float32} and torch.float16 not in autocast["dtypes"]
     # two processes, half the batch each, DDP-averaged gradients: the same trajectory
-    assert two0["losses"] == two1["losses"]
+    assert len(two0["losses"]) == STEPS and two0["losses"] == two1["losses"]
     torch.testing.assert_close(two0["losses"], one["losses"], rtol=1e-2, atol=1e-3)
