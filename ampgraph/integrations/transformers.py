@@ -26,6 +26,7 @@ Transformers is imported when this module is, never by ``import ampgraph``.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -135,7 +136,8 @@ class AmpGraphTrainer(Trainer):
             self.loss_scaler.update()
             return result
 
-        optimizer.step = gated_step
+        # keeps the LR scheduler's marker (_wrapped_by_lr_sched) on the step it wrapped
+        optimizer.step = functools.update_wrapper(gated_step, step)
         optimizer._ampgraph_gated = True
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
