@@ -10,9 +10,12 @@ its own (recursively), and ``explain`` says which parts stayed eager and why.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
+import inspect
 import threading
+import types
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -42,6 +45,59 @@ MAX_GRAPHS_PER_SIGNATURE = 8
 # Methods of the wrapped model that call ``self(...)`` (HuggingFace ``generate``): run on
 # a stand-in of the model whose forward is the compiled one, see :func:`_call_routed`.
 ROUTED_METHODS = frozenset({"generate"})
+
+
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def _autocast_on() -> bool:
+    return any(torch.is_autocast_enabled(d) for d in _AUTOCAST_DEVICES)
+
+
+def _autocast_off() -> contextlib.ExitStack:
+    """Disable autocast on every device where it is on (Accelerate, Lightning, HF Trainer
+    wrap forward in it); the graph keeps its fp32 ops fp32 and capture sees no autocast."""
+    stack = contextlib.ExitStack()
+    for device in _AUTOCAST_DEVICES:
+        if torch.is_autocast_enabled(device):
+            stack.enter_context(torch.autocast(device, enabled=False))
+    return stack
+
+
+class _SignedForward:
+    """``AmpModule.forward``, bound per instance to a function with the model's signature.
+
+    ``inspect.signature(net.forward)`` then equals ``inspect.signature(model.forward)``:
+    HuggingFace's Trainer drops the dataset columns forward does not name, Accelerate
+    rewraps ``forward.__func__``. A non-data descriptor, so assigning ``net.forward``
+    (Accelerate's autocast wrapper) still shadows it per instance.
+    """
+
+    def __init__(self, fn: Any) -> None:
+        self._fn = fn
+        functools.update_wrapper(self, fn)
+
+    def __get__(self, obj: Any, cls: type | None = None) -> Any:
+        if obj is None:
+            return self._fn
+        return types.MethodType(obj.__dict__.get("_amp_forward") or self._fn, obj)
+
+
+def _signed_forward(model: nn.Module) -> Any:
+    """A function ``(self, *args, **kwargs)`` running AmpModule's forward, whose
+    ``__signature__`` is ``self`` + ``model.forward``'s parameters; None if it has none."""
+    try:
+        sig = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return None
+
+    def forward(self: AmpModule, *args: Any, **kwargs: Any) -> Any:
+        return AmpModule._run(self, *args, **kwargs)
+
+    first = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    forward.__signature__ = sig.replace(parameters=[first, *sig.parameters.values()])
+    forward.__doc__ = getattr(type(model).forward, "__doc__", None)
+    return forward
 
 
 @dataclass
@@ -78,6 +134,7 @@ class AmpModule(nn.Module):
             _amp_graphs=OrderedDict(), _amp_lock=threading.RLock(), _amp_eager=None,
             _amp_eager_reason=None, _amp_last=None, _amp_weights=WeightCache(),
             _amp_transforms=[],
+            _amp_forward=_signed_forward(model),
         )
         self._amp_policy = config.policy(low)
 
@@ -157,12 +214,17 @@ class AmpModule(nn.Module):
 
     # -- execution ------------------------------------------------------------------------
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def _run(self, *args: Any, **kwargs: Any) -> Any:
+        if _autocast_on():  # the graph's casts are the precision: autocast must not re-cast
+            with _autocast_off():
+                return self._run(*args, **kwargs)
         compiled = self._compiled_for(args, kwargs)
         if compiled is None:
             return self._amp_eager(*args, **kwargs)
         flat = compiled.runner(tuple(args), dict(kwargs))
         return compiled.captured.rebuild(flat, args, kwargs)
+
+    forward = _SignedForward(_run)
 
     def _compiled_for(self, args: tuple, kwargs: dict) -> Compiled | None:
         with self._amp_lock:

@@ -56,6 +56,8 @@ class StepSpec:
             when the step synchronises).
         update: the optimizer update when it is not ``optimizer.step()`` (16-bit weights:
             ``update(optimizer)``).
+        sharded: gradients are DTensors (FSDP2 ``fully_shard``): unscale each rank's local
+            shard, and the all-reduced flag makes the ranks agree.
     """
 
     title: str
@@ -74,6 +76,7 @@ class StepSpec:
     custom_unscale: bool = False
     observe: bool = False
     update: bool = False
+    sharded: bool = False
 
 
 def generate(spec: StepSpec) -> str:
@@ -82,7 +85,7 @@ def generate(spec: StepSpec) -> str:
     Names the source uses, all provided by the namespace: torch, dist, net, module,
     loss_fn, optimizer, manager, params, found_inf, one, counters, group, monitor,
     StepOutput, fp32_loss, model_loss, cast_fp32, to_host, unscale_by_device, clip_grad_norm_,
-    nullcontext.
+    nullcontext, local_grads, full_tensor.
 
     Example:
         >>> "clip_grad_norm_" in generate(StepSpec(title="O2 bf16"))
@@ -142,6 +145,9 @@ def generate(spec: StepSpec) -> str:
         add("    manager.unscale_(params, found_inf)  # per-layer scales")
     elif spec.multi_device:
         add(f"    unscale_by_device(params, found_inf, {inv})")
+    elif spec.sharded:
+        add("    grads = local_grads(params)  # each rank's shard of the DTensor gradients")
+        add(f"    torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, {inv})")
     else:
         add("    grads = [p.grad for p in params if p.grad is not None]")
         add(f"    torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, {inv})")
@@ -164,6 +170,8 @@ def generate(spec: StepSpec) -> str:
     if spec.clip_norm is not None:
         add(f"    grad_norm = clip_grad_norm_(params, {spec.clip_norm!r}, "
             f"norm_type={spec.norm_type!r})")
+        if spec.sharded:
+            add("    grad_norm = full_tensor(grad_norm)  # the norm over every rank's shard")
         grad_norm = "grad_norm"
     # 6. optimizer step unless overflow
     step_call = "update(optimizer)" if spec.update else "optimizer.step()"
@@ -336,6 +344,19 @@ def unscale_by_device(
         found_inf.logical_or_(flag.to(found_inf.device))
 
 
+def local_grads(params: list[nn.Parameter]) -> list[torch.Tensor]:
+    """The gradients as plain tensors; a DTensor gradient gives its local shard (a view:
+    unscaling it in place unscales the DTensor)."""
+    return [g.to_local() if hasattr(g, "to_local") else g
+            for g in (p.grad for p in params) if g is not None]
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor (e.g. the norm ``clip_grad_norm_`` returns over sharded gradients) as the
+    full plain tensor; a plain tensor unchanged."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 def runtime_helpers() -> dict[str, Any]:
     """The helper names the generated source uses (looked up now, so tests can patch them).
 
@@ -347,4 +368,5 @@ def runtime_helpers() -> dict[str, Any]:
         "torch": torch, "dist": dist, "fp32_loss": fp32_loss, "model_loss": model_loss,
         "cast_fp32": cast_fp32, "to_host": to_host, "unscale_by_device": unscale_by_device,
         "clip_grad_norm_": torch.nn.utils.clip_grad_norm_, "nullcontext": nullcontext,
+        "local_grads": local_grads, "full_tensor": full_tensor,
     }

@@ -13,11 +13,10 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ampgraph.config import dtype_name, model_device, resolve_dtype
+from ampgraph.config import dtype_name, model_device
 from ampgraph.train.codegen import (
     ALWAYS,
     FOUND_INF,
@@ -36,16 +35,19 @@ from ampgraph.train.low_precision_weights import (
     check_supported,
     convert_weights,
 )
+from ampgraph.train.network import (
+    DEFAULT_DTYPE,
+    DEFAULT_LEVEL,
+    amp_of,
+    distributed_group,
+    is_sharded,
+    resolve_network,
+    train_params,
+)
 
 __all__ = ["StepOutput", "TrainStep", "build_train_step"]
 
 
-class _Default(str):
-    """A default argument value that can be told apart from the same value passed explicitly."""
-
-
-_DEFAULT_LEVEL = _Default("O2")
-_DEFAULT_DTYPE = _Default("auto")
 
 
 class TrainStep:
@@ -85,8 +87,9 @@ class TrainStep:
         self.clip_grad_norm = clip_grad_norm
         self.monitor = monitor
         self.weight_update = update  # None with fp32 master weights
-        self.amp_level: str = module.amp_config.amp_level
-        self.amp_dtype: torch.dtype = module.amp_dtype
+        amp = amp_of(module)
+        self.amp_level: str = amp.amp_config.amp_level
+        self.amp_dtype: torch.dtype = amp.amp_dtype
         self.spec = spec
         self._counters = Counters()
         device = params[0].device
@@ -180,8 +183,8 @@ def build_train_step(
     model: nn.Module,
     loss_fn: Callable[..., torch.Tensor] | None,
     optimizer: torch.optim.Optimizer,
-    amp_level: str = _DEFAULT_LEVEL,
-    dtype: str | torch.dtype = _DEFAULT_DTYPE,
+    amp_level: str = DEFAULT_LEVEL,
+    dtype: str | torch.dtype = DEFAULT_DTYPE,
     *,
     loss_scale_manager: LossScaleManager | str | None = "auto",
     clip_grad_norm: float | None = None,
@@ -194,7 +197,9 @@ def build_train_step(
 
     Args:
         model: an fp32 ``nn.Module``; or a module returned by ``ampgraph.compile``; or one
-            wrapped in ``DistributedDataParallel`` after compiling. A compiled model is not
+            wrapped in ``DistributedDataParallel`` after compiling; or one whose blocks were
+            compiled one by one (regional compilation, e.g. under FSDP2's ``fully_shard``,
+            whose DTensor gradients are unscaled per shard). A compiled model is not
             compiled again: ``amp_level``/``dtype`` left at their defaults take the compiled
             values, explicit values must agree with them.
         loss_fn: ``loss_fn(output, target)`` with the target as the last positional argument
@@ -229,7 +234,7 @@ def build_train_step(
         >>> step = build_train_step(model, nn.functional.cross_entropy, opt)  # doctest: +SKIP
         >>> out = step(x, y)  # doctest: +SKIP
     """
-    network, module = _resolve_network(model, amp_level, dtype, compile_kwargs)
+    network, module = resolve_network(model, amp_level, dtype, compile_kwargs)
     if not isinstance(accumulation_steps, int) or isinstance(accumulation_steps, bool) or (
         accumulation_steps < 1
     ):
@@ -246,22 +251,27 @@ def build_train_step(
         raise ValueError(f"loss_fn must be callable or None, got {type(loss_fn).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer)}")
-    params = _train_params(module, optimizer)
+    params = train_params(module, optimizer)
     device = model_device(module)
-    manager = _resolve_manager(loss_scale_manager, module.amp_dtype)
+    amp = amp_of(module)
+    manager = _resolve_manager(loss_scale_manager, amp.amp_dtype)
+    sharded = is_sharded(params)
     if manager is not None:
         manager.to(device)
         manager.instrument(module)
     update = _weight_update(master_weights, module, optimizer)
-    distributed, group = _distributed(network)
+    distributed, group = distributed_group(network)
+    decision = _decision(optimizer, manager, update is not None)
+    if sharded and decision == FOUND_INF:  # DTensor gradients: decide on the host
+        decision = HOST
     has_monitor = monitor is not None and callable(getattr(monitor, "after_backward", None))
     spec = StepSpec(
-        title=_title(module, manager, clip_grad_norm, accumulation_steps, distributed),
+        title=_title(amp, manager, clip_grad_norm, accumulation_steps, distributed),
         has_loss_fn=loss_fn is not None,
-        cast_outputs=not module.amp_config.keep_io_types,
+        cast_outputs=not amp.amp_config.keep_io_types,
         scaled=manager is not None,
         dynamic=manager is not None and manager.dynamic,
-        decision=_decision(optimizer, manager, update is not None),
+        decision=decision,
         clip_norm=clip_grad_norm,
         distributed=distributed,
         accumulation_steps=accumulation_steps,
@@ -271,6 +281,7 @@ def build_train_step(
         custom_unscale=manager is not None and manager.custom_unscale,
         observe=manager is not None and manager.wants_gradients,
         update=update is not None,
+        sharded=sharded,
     )
     return TrainStep(
         network=network, module=module, loss_fn=loss_fn, optimizer=optimizer, manager=manager,
@@ -286,10 +297,11 @@ def _weight_update(mode: Any, module: nn.Module, optimizer: torch.optim.Optimize
         raise ValueError(f"master_weights must be one of {MASTER_WEIGHTS}, got {mode!r}")
     if mode == "fp32":
         return None
-    low = module.amp_dtype
-    if module.amp_config.amp_level == "O0" or low not in (torch.bfloat16, torch.float16):
+    amp = amp_of(module)
+    low, level = amp.amp_dtype, amp.amp_config.amp_level
+    if level == "O0" or low not in (torch.bfloat16, torch.float16):
         raise ValueError(f"master_weights={mode!r} stores weights in the low dtype: compile "
-                         f"at O1-O3 with dtype bf16 or fp16, not {module.amp_config.amp_level}")
+                         f"at O1-O3 with dtype bf16 or fp16, not {level}")
     if mode == "stochastic" and low != torch.bfloat16:
         raise ValueError("master_weights='stochastic' rounds into bf16: use dtype='bf16' "
                          "(or master_weights='kahan' for fp16)")
@@ -298,60 +310,6 @@ def _weight_update(mode: Any, module: nn.Module, optimizer: torch.optim.Optimize
     module._amp_graphs.clear()  # graphs captured with fp32 parameters are stale
     update = LowPrecisionUpdate(mode)
     return update
-
-
-def _resolve_network(
-    model: nn.Module, amp_level: str, dtype: Any, compile_kwargs: dict[str, Any]
-) -> tuple[nn.Module, nn.Module]:
-    """(what the step calls, the AmpModule): compile unless already compiled."""
-    from ampgraph.module import AmpModule
-
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"model must be an nn.Module, got {type(model).__name__}")
-    inner = model.module if isinstance(model, DistributedDataParallel) else model
-    if isinstance(inner, AmpModule):
-        if compile_kwargs:
-            raise ValueError(
-                f"model is already compiled by ampgraph.compile, so build_train_step cannot "
-                f"apply {sorted(compile_kwargs)}: pass them to ampgraph.compile instead"
-            )
-        _check_compiled_matches(inner, amp_level, dtype)
-        return model, inner
-    if inner is not model:
-        raise ValueError(
-            "model is a DistributedDataParallel around an uncompiled module: compile first, "
-            "then wrap: DistributedDataParallel(ampgraph.compile(model, ...)); "
-            "see docs/training.md"
-        )
-    import ampgraph
-
-    compiled = ampgraph.compile(model, _plain(amp_level), _plain(dtype), **compile_kwargs)
-    return compiled, compiled
-
-
-def _plain(value: Any) -> Any:
-    return str.__str__(value) if isinstance(value, str) else value
-
-
-def _check_compiled_matches(module: nn.Module, amp_level: str, dtype: Any) -> None:
-    level = module.amp_config.amp_level
-    if not isinstance(amp_level, _Default):
-        if not isinstance(amp_level, str) or amp_level.upper() != level:
-            raise ValueError(
-                f"model was compiled at amp_level={level!r} but build_train_step got "
-                f"amp_level={amp_level!r}: drop the argument or pass {level!r} (or give "
-                f"build_train_step the uncompiled model)"
-            )
-    if not isinstance(dtype, _Default) and level != "O0":
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            wanted = resolve_dtype(dtype, model_device(module))
-        if wanted != module.amp_dtype:
-            raise ValueError(
-                f"model was compiled with dtype {dtype_name(module.amp_dtype)} but "
-                f"build_train_step got dtype={_plain(dtype)!r} ({dtype_name(wanted)}): drop the "
-                f"argument or pass {dtype_name(module.amp_dtype)!r}"
-            )
 
 
 def _resolve_manager(manager: Any, amp_dtype: torch.dtype) -> LossScaleManager | None:
@@ -363,25 +321,6 @@ def _resolve_manager(manager: Any, amp_dtype: torch.dtype) -> LossScaleManager |
         f"loss_scale_manager must be 'auto', None, or a FixedLossScaleManager / "
         f"DynamicLossScaleManager instance, got {manager!r}"
     )
-
-
-def _train_params(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
-    """Optimizer parameters, then trainable model parameters the optimizer does not hold."""
-    params: list[nn.Parameter] = []
-    seen: set[int] = set()
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if id(p) not in seen:
-                seen.add(id(p))
-                params.append(p)
-    model_ids = {id(p) for p in module.parameters()}
-    if not model_ids & seen:
-        raise ValueError(
-            "the optimizer holds none of the model's parameters: build it on "
-            "model.parameters() (the fp32 master weights shared with the compiled module)"
-        )
-    params += [p for p in module.parameters() if p.requires_grad and id(p) not in seen]
-    return params
 
 
 def _decision(optimizer: torch.optim.Optimizer, manager: LossScaleManager | None,
@@ -401,16 +340,9 @@ def _decision(optimizer: torch.optim.Optimizer, manager: LossScaleManager | None
     return FOUND_INF
 
 
-def _distributed(network: nn.Module) -> tuple[bool, Any]:
-    if not (dist.is_available() and dist.is_initialized()):
-        return False, None
-    group = network.process_group if isinstance(network, DistributedDataParallel) else None
-    return dist.get_world_size(group) > 1, group
-
-
-def _title(module: nn.Module, manager: LossScaleManager | None, clip: float | None,
+def _title(amp: nn.Module, manager: LossScaleManager | None, clip: float | None,
            accumulation_steps: int, distributed: bool) -> str:
-    parts = [module.amp_config.amp_level, dtype_name(module.amp_dtype),
+    parts = [amp.amp_config.amp_level, dtype_name(amp.amp_dtype),
              type(manager).__name__ if manager is not None else "no loss scaling"]
     if clip is not None:
         parts.append(f"clip {clip}")

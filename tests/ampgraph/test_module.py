@@ -84,3 +84,54 @@ def test_explain_with_inputs_on_eager_model_keeps_buffers():
         report = ampgraph.explain(net, torch.randn(4, 4))
     assert torch.equal(stats, model[1].running_mean), "explain must not update running stats"
     assert report.eager and any(r["op"] == "aten.linear" for r in report.nodes)
+
+
+# -- what trainers see: forward's signature, autocast around the call ---------------------
+
+
+class Keyworded(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, input_ids: torch.Tensor, mask: torch.Tensor | None = None, *, scale=1.0):
+        return self.norm(self.fc(input_ids)) * scale
+
+
+def test_forward_keeps_the_models_signature():
+    import inspect
+
+    model = Keyworded()
+    net = ampgraph.compile(model, "O2", "bf16")
+    assert inspect.signature(net.forward) == inspect.signature(model.forward)
+    assert list(inspect.signature(net.forward).parameters) == ["input_ids", "mask", "scale"]
+    assert net.forward.__func__ is net.forward.__func__  # one function per instance
+    x = torch.randn(2, 8)
+    torch.testing.assert_close(net(input_ids=x, scale=2.0), net.forward(x, scale=2.0))
+    other = ampgraph.compile(nn.Linear(8, 2), "O2", "bf16")
+    assert list(inspect.signature(other.forward).parameters) == ["input"]
+
+
+def test_autocast_outside_does_not_recast_the_graph():
+    """Accelerate / Lightning / the HF Trainer may wrap forward in autocast: the graph's
+    fp32 ops (the norm) stay fp32, the linear runs bf16 (the graph's cast, not autocast's),
+    and the caller's autocast state is back on afterwards."""
+    torch.manual_seed(0)
+    model = Keyworded()
+    net = ampgraph.compile(model, "O2", "bf16")
+    x = torch.randn(4, 8)
+    plain = net(x)
+    with torch.autocast("cpu", dtype=torch.float16):
+        out, rec = record(lambda: net(x))
+        assert torch.is_autocast_enabled("cpu")
+    assert torch.float16 not in {dt for _, d in rec.calls for dt in d}  # autocast did nothing
+    assert rec.norm_compute_dtypes() == {torch.float32}
+    assert rec.first_input_dtypes(MATMUL_OPS) == {torch.bfloat16}
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, plain)
+    # captured for the first time under autocast: no autocast op gets into the graph
+    fresh = ampgraph.compile(Keyworded(), "O2", "bf16")
+    with torch.autocast("cpu", dtype=torch.float16):
+        fresh(x)
+    assert "torch.float16" not in fresh.amp_parts()[0][0][1].gm.code
