@@ -47,6 +47,39 @@ from typing import Any
 import torch
 from torch import nn
 
+
+def _stand_in_for_torchvision_fake_kernels() -> None:
+    """Let a torchvision whose C ops do not load still import (REFERENCE.md section 9).
+
+    torchvision's wheel on the package index links the CUDA torch build; with the pinned CPU
+    torch its ``_C`` library does not load, which torchvision itself tolerates
+    (``torchvision.extension._has_ops()`` is then False and ``torchvision.ops`` raises only
+    when an op such as ``nms`` is called), but ``torchvision._meta_registrations`` then
+    registers fake kernels for ``torchvision::nms`` & co. unconditionally at import and
+    raises "operator torchvision::nms does not exist". Only in that case an empty module
+    stands in for ``_meta_registrations`` before anything imports torchvision (transformers
+    and timm do); no zoo model calls those C ops (nms, roi_align, deform_conv2d, ...).
+    A torchvision whose ops load is imported untouched.
+    """
+    import importlib.util
+    import types
+
+    spec = importlib.util.find_spec("torchvision")
+    if spec is None or not spec.submodule_search_locations:
+        return
+    libs = [os.path.join(d, "_C.so") for d in spec.submodule_search_locations]
+    lib = next((p for p in libs if os.path.exists(p)), None)
+    try:
+        if lib is not None:
+            torch.ops.load_library(lib)
+            return
+    except OSError:
+        pass
+    sys.modules.setdefault("torchvision._meta_registrations",
+                           types.ModuleType("torchvision._meta_registrations"))
+
+
+_stand_in_for_torchvision_fake_kernels()
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import ampgraph  # noqa: E402
@@ -98,8 +131,17 @@ def whisper_inputs() -> dict[str, torch.Tensor]:
             "decoder_input_ids": torch.randint(3, VOCAB, (BATCH, SEQ // 2), generator=g)}
 
 
-def image_tuple_inputs() -> dict[str, torch.Tensor]:  # torchvision/timm: forward(x)
-    return {"x": image_inputs()["pixel_values"]}
+def images(size: int = IMG, batch: int = BATCH) -> Callable[[], dict[str, torch.Tensor]]:
+    """torchvision/timm models: ``forward(x)`` on a batch of ``size`` px images."""
+    def make() -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(3)
+        return {"x": torch.randn(batch, 3, size, size, generator=g)}
+    return make
+
+
+# Batch-norm CNNs downsample 32x: at 32 px and batch 2 their last stages normalise over 2
+# values per channel, which makes train-mode gradients (and eval after calibration) noise.
+BN_IMAGES = images(64, 4)
 
 
 # -- builders ----------------------------------------------------------------------------
@@ -115,26 +157,87 @@ def hf(model_cls: str, config_cls: str, **config: Any) -> Callable[[], nn.Module
     return build
 
 
-def torchvision_model(name: str, **kwargs: Any) -> Callable[[], nn.Module]:
+def no_dropout(model: nn.Module) -> nn.Module:
+    """Every dropout and stochastic-depth probability 0, so train-mode runs are deterministic
+    (torchvision's ``StochasticDepth.p``, timm's ``DropPath.drop_prob``)."""
+    for m in model.modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd):
+            m.p = 0.0
+        elif type(m).__name__ == "StochasticDepth":
+            m.p = 0.0
+        elif type(m).__name__ == "DropPath":
+            m.drop_prob = 0.0
+    return model
+
+
+def torchvision_model(make: str | Callable[[Any], nn.Module],
+                      **kwargs: Any) -> Callable[[], nn.Module]:
+    """``make``: a builder's name in ``torchvision.models`` (called with ``weights=None``), or
+    a function of the ``torchvision`` module for models built from their classes."""
     def build() -> nn.Module:
         try:
             import torchvision
         except Exception as exc:  # noqa: BLE001 - a broken wheel raises more than ImportError
             raise NotAvailable(f"torchvision: {one_line(exc)}") from exc
         torch.manual_seed(0)
-        return getattr(torchvision.models, name)(weights=None, **kwargs)
+        if callable(make):
+            return no_dropout(make(torchvision))
+        builder = torchvision.models
+        for part in make.split("."):  # e.g. "segmentation.deeplabv3_mobilenet_v3_large"
+            builder = getattr(builder, part)
+        return no_dropout(builder(weights=None, **kwargs))
     return build
 
 
-def timm_model(name: str, **kwargs: Any) -> Callable[[], nn.Module]:
+def timm_model(make: str | Callable[[Any], nn.Module], **kwargs: Any) -> Callable[[], nn.Module]:
+    """``make``: a ``timm.create_model`` name (kwargs override its config), or a function of
+    the ``timm`` module."""
     def build() -> nn.Module:
         try:
             import timm
         except Exception as exc:  # noqa: BLE001
             raise NotAvailable(f"timm: {one_line(exc)}") from exc
         torch.manual_seed(0)
-        return timm.create_model(name, pretrained=False, **kwargs)
+        if callable(make):
+            return no_dropout(make(timm))
+        return no_dropout(timm.create_model(make, pretrained=False, **kwargs))
     return build
+
+
+def timm_mixer(timm: Any) -> nn.Module:  # the mixer_* names fix patch size and depth
+    return timm.models.mlp_mixer.MlpMixer(num_classes=LABELS, img_size=IMG, patch_size=8,
+                                          num_blocks=2, embed_dim=32)
+
+
+def tv_vit(tv: Any) -> nn.Module:
+    return tv.models.VisionTransformer(image_size=IMG, patch_size=8, num_layers=2, num_heads=2,
+                                       hidden_dim=32, mlp_dim=64, num_classes=LABELS)
+
+
+def tv_swin(tv: Any) -> nn.Module:
+    return tv.models.SwinTransformer(patch_size=[4, 4], embed_dim=16, depths=[1, 1],
+                                     num_heads=[2, 2], window_size=[4, 4],
+                                     stochastic_depth_prob=0.0, num_classes=LABELS)
+
+
+def tv_convnext(tv: Any) -> nn.Module:
+    cfg = tv.models.convnext.CNBlockConfig
+    return tv.models.ConvNeXt([cfg(16, 32, 1), cfg(32, None, 1)], stochastic_depth_prob=0.0,
+                              num_classes=LABELS)
+
+
+def tv_densenet(tv: Any) -> nn.Module:
+    return tv.models.DenseNet(growth_rate=8, block_config=(2, 2, 2, 2), num_init_features=16,
+                              bn_size=2, num_classes=LABELS)
+
+
+def tv_fcn(tv: Any) -> nn.Module:
+    """FCN head on a ResNet-18 backbone (torchvision builds FCN on ResNet-50/101 only)."""
+    from torchvision.models._utils import IntermediateLayerGetter
+    from torchvision.models.segmentation.fcn import FCN, FCNHead
+
+    backbone = IntermediateLayerGetter(tv.models.resnet18(weights=None), {"layer4": "out"})
+    return FCN(backbone, FCNHead(512, LABELS))
 
 
 DEC = dict(vocab_size=VOCAB, max_position_embeddings=64, num_key_value_heads=1,
@@ -198,11 +301,50 @@ ZOO: dict[str, Entry] = {
                      embed_dim=16, depths=[1, 1], num_heads=[2, 2], window_size=4,
                      drop_path_rate=0.0, num_labels=LABELS, **HF_NODROP),
                   image_inputs, "vision"),
-    # torchvision / timm: rows say "not available" while their import fails (REFERENCE.md 9)
-    "tv_resnet18": Entry(torchvision_model("resnet18", num_classes=LABELS), image_tuple_inputs,
+    # torchvision (forward(x)); rows say "not available" while torchvision does not import
+    "tv_resnet18": Entry(torchvision_model("resnet18", num_classes=LABELS), BN_IMAGES,
                          "vision (torchvision)"),
+    "tv_mobilenet_v3": Entry(torchvision_model("mobilenet_v3_small", num_classes=LABELS),
+                             BN_IMAGES, "vision (torchvision)"),
+    "tv_efficientnet_b0": Entry(torchvision_model("efficientnet_b0", num_classes=LABELS),
+                                BN_IMAGES, "vision (torchvision)"),
+    "tv_convnext": Entry(torchvision_model(tv_convnext), images(), "vision (torchvision)"),
+    "tv_densenet": Entry(torchvision_model(tv_densenet), images(), "vision (torchvision)"),
+    "tv_regnet": Entry(torchvision_model("regnet_y_400mf", num_classes=LABELS), BN_IMAGES,
+                       "vision (torchvision)"),
+    "tv_shufflenet": Entry(torchvision_model("shufflenet_v2_x0_5", num_classes=LABELS),
+                           BN_IMAGES, "vision (torchvision)"),
+    "tv_squeezenet": Entry(torchvision_model("squeezenet1_1", num_classes=LABELS), BN_IMAGES,
+                           "vision (torchvision)"),
+    "tv_mnasnet": Entry(torchvision_model("mnasnet0_5", num_classes=LABELS), BN_IMAGES,
+                        "vision (torchvision)"),
+    "tv_googlenet": Entry(torchvision_model("googlenet", num_classes=LABELS, aux_logits=False,
+                                            init_weights=True), BN_IMAGES,
+                          "vision (torchvision)"),
+    "tv_vit": Entry(torchvision_model(tv_vit), images(), "vision (torchvision)"),
+    "tv_swin": Entry(torchvision_model(tv_swin), images(), "vision (torchvision)"),
+    "tv_deeplabv3": Entry(torchvision_model("segmentation.deeplabv3_mobilenet_v3_large",
+                                            weights_backbone=None, num_classes=LABELS,
+                                            aux_loss=False), BN_IMAGES,
+                          "segmentation (torchvision)"),
+    "tv_fcn": Entry(torchvision_model(tv_fcn), BN_IMAGES, "segmentation (torchvision)"),
+    # timm (forward(x)); "not available" while timm (which needs torchvision) does not import
     "timm_vit_tiny": Entry(timm_model("vit_tiny_patch16_224", img_size=IMG, patch_size=8,
-                                      num_classes=LABELS), image_tuple_inputs, "vision (timm)"),
+                                      depth=2, num_classes=LABELS), images(), "vision (timm)"),
+    "timm_deit_tiny": Entry(timm_model("deit_tiny_distilled_patch16_224", img_size=IMG,
+                                       patch_size=8, depth=2, num_classes=LABELS),
+                            images(), "vision (timm)"),
+    "timm_swin": Entry(timm_model("swin_tiny_patch4_window7_224", img_size=IMG, window_size=4,
+                                  embed_dim=16, depths=(1, 1), num_heads=(2, 2),
+                                  num_classes=LABELS), images(), "vision (timm)"),
+    "timm_mixer": Entry(timm_model(timm_mixer), images(),
+                        "vision (timm)"),
+    "timm_levit": Entry(timm_model("levit_128s", img_size=64, num_classes=LABELS), BN_IMAGES,
+                        "vision (timm)"),
+    "timm_convnext": Entry(timm_model("convnext_atto", depths=(1, 1, 1, 1), dims=(8, 16, 24, 32),
+                                      num_classes=LABELS), images(), "vision (timm)"),
+    "timm_mobilenetv3": Entry(timm_model("mobilenetv3_small_050", num_classes=LABELS),
+                              BN_IMAGES, "vision (timm)"),
 }
 QUICK = ["bert", "gpt2"]
 
@@ -220,17 +362,75 @@ def logits_of(out: Any) -> torch.Tensor:
         return out
     if hasattr(out, "logits"):
         return out.logits
-    if isinstance(out, dict):
-        return out["logits"]
+    if isinstance(out, dict):  # torchvision segmentation models return {"out": ...}
+        return out["logits"] if "logits" in out else out["out"]
     return out[0]
 
 
 def cosine(a: Any, b: Any) -> float:
+    """Cosine similarity in fp64, whatever the magnitudes (torch's ``cosine_similarity``
+    clamps norms below 1e-8, which reads tiny logits as orthogonal); nan for a zero vector."""
     a = torch.as_tensor(a).detach().double().flatten()
     b = torch.as_tensor(b).detach().double().flatten()
     if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
         return float("nan")
-    return float(torch.nn.functional.cosine_similarity(a, b, dim=0))
+    scale = a.abs().max() * b.abs().max()
+    if scale == 0:
+        return float("nan")
+    a, b = a / a.abs().max(), b / b.abs().max()
+    return float(a @ b / (a.norm() * b.norm()))
+
+
+def prepare_weights(model: nn.Module, inputs: dict) -> None:
+    """Make random weights behave like a trained model's where a fresh init is degenerate:
+
+    - a Linear whose weight is all zero (torchvision ViT's and timm MLP-Mixer's heads) gets
+      N(0, 0.02): a zero head makes the logits, and every gradient upstream of it, zero;
+    - batch-norm running statistics are set from one train-mode forward (no gradient) of a
+      calibration batch of 32 other random images: with the initial mean 0 / variance 1,
+      eval-mode activations of deep CNNs shrink layer by layer (MobileNetV3's logits are
+      ~1e-10, EfficientNet's ~1e-13); statistics of the test batch itself would make eval
+      as ill-conditioned as train mode with 4 images (see docs/zoo.md).
+    """
+    for m in model.modules():
+        if isinstance(m, nn.Linear) and not m.weight.detach().any():
+            nn.init.normal_(m.weight, std=0.02)
+    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+             and m.track_running_stats]
+    if not norms:
+        return
+    momenta = [m.momentum for m in norms]
+    training = model.training
+    for m in norms:
+        m.reset_running_stats()
+        m.momentum = None  # a cumulative average: after one batch, that batch's statistics
+    g = torch.Generator().manual_seed(6)
+    calibration = {k: torch.randn(32, *v.shape[1:], generator=g) if v.is_floating_point()
+                   else v for k, v in inputs.items()}
+    model.train()
+    with torch.no_grad():
+        model(**calibration)
+    for m, momentum in zip(norms, momenta):
+        m.momentum = momentum
+    model.train(training)
+
+
+@contextlib.contextmanager
+def bf16_rounded(model: nn.Module, inputs: dict) -> Any:
+    """The model's parameters rounded to bf16 (still fp32 tensors) for the duration, and the
+    inputs with their floating tensors rounded likewise: the fp32 model on bf16-rounded
+    values, a measure of how far one rounding alone moves the gradients."""
+    params = [(p, p.detach().clone()) for p in model.parameters()]
+    with torch.no_grad():
+        for p, _ in params:
+            p.copy_(p.to(torch.bfloat16).float())
+    try:
+        yield {k: v.to(torch.bfloat16).float() if v.is_floating_point() else v
+               for k, v in inputs.items()}
+    finally:
+        with torch.no_grad():
+            for p, saved in params:
+                p.copy_(saved)
 
 
 def flat_grads(model: nn.Module) -> torch.Tensor:
@@ -238,13 +438,32 @@ def flat_grads(model: nn.Module) -> torch.Tensor:
                       for p in model.parameters()]).detach().clone()
 
 
+def class_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Logits as (rows, classes): the last dimension, or the channels of a segmentation map
+    (B, C, H, W)."""
+    if logits.dim() == 4:
+        logits = logits.movedim(1, -1)
+    return logits.reshape(-1, logits.shape[-1])
+
+
+def loss_of(out: Any, labels: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(class_rows(logits_of(out).float()), labels)
+
+
 def train_grads(model: nn.Module, call: Callable[[], Any], labels: torch.Tensor) -> torch.Tensor:
+    """The flat parameter gradients of one train-mode step. The buffers a train-mode forward
+    updates (batch-norm running statistics) are put back afterwards, so every step and the
+    later eval-mode comparisons see the same state as the fp32 reference."""
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
     model.zero_grad(set_to_none=True)
-    logits = logits_of(call()).float()
-    loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels)
-    loss.backward()
-    grads = flat_grads(model)
-    model.zero_grad(set_to_none=True)
+    try:
+        loss_of(call(), labels).backward()
+        grads = flat_grads(model)
+    finally:
+        model.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
     return grads
 
 
@@ -368,8 +587,7 @@ def speed(model: nn.Module, net: nn.Module, inputs: dict, labels: torch.Tensor,
 
     def train(call: Callable[[], Any]) -> Callable[[], Any]:
         def go() -> None:
-            logits = logits_of(call()).float()
-            nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels).backward()
+            loss_of(call(), labels).backward()
             model.zero_grad(set_to_none=True)
         return go
 
@@ -413,17 +631,33 @@ def run_model(name: str, entry: Entry, skip_onnx: bool, skip_speed: bool,
         return row
     inputs = entry.inputs()
     row["params"] = sum(p.numel() for p in model.parameters())
+    prepare_weights(model, inputs)
 
     # fp32 references (eval logits, train gradients) and the fixed random labels
     model.eval()
     with torch.no_grad():
         ref = logits_of(model(**inputs)).float()
     g = torch.Generator().manual_seed(5)
-    labels = torch.randint(0, ref.shape[-1], (ref.reshape(-1, ref.shape[-1]).shape[0],),
-                           generator=g)
+    rows = class_rows(ref)
+    labels = torch.randint(0, rows.shape[1], (rows.shape[0],), generator=g)
     model.train()
     ref_grads = step(row, "fp32_train", lambda: train_grads(model, lambda: model(**inputs),
                                                              labels))
+
+    def eval_floor() -> float:  # the logits' sensitivity to one bf16 rounding (see docs)
+        model.eval()
+        with torch.no_grad(), bf16_rounded(model, inputs) as rounded:
+            return cosine(logits_of(model(**rounded)).float(), ref)
+
+    row["bf16_floor_eval_cos"] = step(row, "bf16_floor_eval", eval_floor)
+    model.train()
+
+    def floor() -> float:  # the gradients' sensitivity to one bf16 rounding (see docs)
+        with bf16_rounded(model, inputs) as rounded:
+            return cosine(train_grads(model, lambda: model(**rounded), labels), ref_grads)
+
+    row["bf16_floor_grad_cos"] = step(row, "bf16_floor_train", floor) if ref_grads is not None \
+        else None
 
     # autocast
     def ac_eval() -> float:
@@ -507,18 +741,55 @@ def capture_cell(row: dict) -> str:
 
 def table(rows: list[dict]) -> str:
     head = ["model", "family", "capture", "O2 eval cos", "autocast eval cos", "O2 grad cos",
-            "autocast grad cos", "ONNX O2 fp16 cos", "onnxconverter fp16 cos",
-            "infer x (noisy)", "train x (noisy)"]
+            "autocast grad cos", "bf16 floor eval / grad", "ONNX O2 fp16 cos",
+            "onnxconverter fp16 cos", "infer x (noisy)", "train x (noisy)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         sp = r.get("speed") or {}
         cells = [r["model"], r["family"], capture_cell(r), fmt(r.get("o2_eval_cos")),
                  fmt(r.get("autocast_eval_cos")), fmt(r.get("o2_grad_cos")),
-                 fmt(r.get("autocast_grad_cos")), fmt(r.get("onnx_cos")),
+                 fmt(r.get("autocast_grad_cos")),
+                 f'{fmt(r.get("bf16_floor_eval_cos"))} / {fmt(r.get("bf16_floor_grad_cos"))}',
+                 fmt(r.get("onnx_cos")),
                  fmt(r.get("onnx_converter_cos")), fmt(sp.get("infer_ratio")),
                  fmt(sp.get("train_ratio"))]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def criteria(row: dict) -> dict[str, bool | None]:
+    """Issue 14's done-when checks for one row (None: not measured)."""
+    def num(key: str) -> float | None:
+        v = row.get(key)
+        return v if isinstance(v, float) and v == v else None
+
+    train = row.get("capture_train") or {}
+    whole = row["capture"]["status"] == "whole graph" and train.get("status") in (
+        None, "whole graph")
+    o2, ac = num("o2_eval_cos"), num("autocast_eval_cos")
+    o2g, acg = num("o2_grad_cos"), num("autocast_grad_cos")
+    onnx = num("onnx_cos")
+    return {
+        "whole graph": whole,
+        "eval": None if o2 is None or ac is None else (o2 >= 0.99 and o2 >= ac - 0.005),
+        "grad": None if o2g is None or acg is None else o2g >= acg - 0.01,
+        "onnx": None if "onnx_cos" not in row else (onnx is not None and onnx >= 0.99),
+    }
+
+
+def summary(rows: list[dict]) -> str:
+    ran = [r for r in rows if r["capture"]["status"] != "not available"]
+    checks = [criteria(r) for r in ran]
+    parts = [f"{len(ran)} of {len(rows)} models available"]
+    for key, what in (("whole graph", "captured whole (eval and train)"),
+                      ("eval", "O2 eval cos >= 0.99 and >= autocast's - 0.005"),
+                      ("grad", "O2 grad cos >= autocast's - 0.01"),
+                      ("onnx", "ONNX O2 fp16 cos >= 0.99")):
+        measured = [c[key] for c in checks if c[key] is not None]
+        failed = [r["model"] for r, c in zip(ran, checks) if c[key] is False]
+        parts.append(f"{what}: {sum(measured)}/{len(measured)}"
+                     + (f" (not: {', '.join(failed)})" if failed else ""))
+    return "; ".join(parts)
 
 
 def details(rows: list[dict]) -> str:
@@ -565,6 +836,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{name}] {capture_cell(row)} in {row['total_seconds']} s", file=sys.stderr,
               flush=True)
     print(table(rows))
+    print("\n" + summary(rows))
     more = details(rows)
     if more:
         print("\n" + more)
@@ -574,8 +846,11 @@ def main(argv: list[str] | None = None) -> int:
         meta = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
                 "command": " ".join(["python", "benchmarks/zoo.py", *(argv or sys.argv[1:])]),
                 "threads": torch.get_num_threads()}
+        for row in rows:
+            row["criteria"] = criteria(row)
         with open(args.json, "w") as f:
-            json.dump({"meta": meta, "models": rows}, f, indent=2, default=str)
+            json.dump({"meta": meta, "summary": summary(rows), "models": rows}, f, indent=2,
+                      default=str)
     return 0
 
 

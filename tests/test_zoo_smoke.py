@@ -37,6 +37,9 @@ def test_zoo_quick_mode_writes_every_field(tmp_path):
             assert value > 0.9, (name, key, value)  # bf16 of a tiny model stays close
         assert "onnx_cos" not in row and "speed" not in row
     assert rows["bert"]["capture"]["status"] == "whole graph"
+    assert rows["bert"]["criteria"] == {"whole graph": True, "eval": True, "grad": True,
+                                        "onnx": None}
+    assert "captured whole" in data["summary"]
     eager = rows["gpt2"]["capture"]["eager"]
     assert all(e["path"] and e["module_type"] and e["reason"] for e in eager)
     # a library that does not import gives a row, not a crash (torchvision is not installed)
