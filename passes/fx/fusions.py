@@ -15,11 +15,11 @@ weights (what cuDNN batch norm and Apex O2's ``keep_batchnorm_fp32`` rely on): t
 load, keep the statistics, the weights and the arithmetic in fp32 and round once on store.
 ``x16 -> cast fp32 -> norm -> [relu] -> cast x16`` therefore becomes ``x16 -> norm -> [relu]``
 with the same numbers: widening is exact, the norm still computes in fp32, and the single
-rounding on store is the one the removed cast made (relu, and hardtanh with bounds exact in
-the low dtype, commute with rounding). The backward rounds the input gradient once, as the
-removed cast's backward did. The fusion applies only where every use of the norm's output
-wanted the low dtype, and only for kernels a probe on the graph's device shows to accept the
-mix; the norm keeps ``amp_precision == "fp32"`` and gains ``meta["amp_io"]``.
+rounding on store is the one the removed cast made (relu, max pooling, and hardtanh with
+bounds exact in the low dtype, commute with rounding). The backward rounds the input gradient
+once, as the removed cast's backward did. The fusion applies only where every use of the
+norm's output wanted the low dtype, and only for kernels a probe on the graph's device shows
+to accept the mix; the norm keeps ``amp_precision == "fp32"`` and gains ``meta["amp_io"]``.
 """
 
 from __future__ import annotations
@@ -43,8 +43,11 @@ TUPLE = {aten.native_layer_norm.default, aten.native_batch_norm.default,
          aten._native_batch_norm_legit_functional.default,
          aten._native_batch_norm_legit_no_training.default,
          aten.native_group_norm.default}
-# ops that commute exactly with rounding to the low dtype: round(f(x)) == f(round(x))
-EXACT = {aten.relu.default, aten.hardtanh.default}
+# ops that commute exactly with rounding to the low dtype: round(f(x)) == f(round(x)).
+# Rounding to nearest is monotone, so max and relu commute with it; hardtanh does when its
+# bounds are exact in the low dtype (checked per node).
+MAX_POOLS = {aten.max_pool1d.default, aten.max_pool2d.default, aten.max_pool3d.default}
+EXACT = {aten.relu.default, aten.hardtanh.default, *MAX_POOLS}
 
 
 def fuse_norm_casts(gm: fx.GraphModule, low: torch.dtype) -> PassResult:
@@ -129,6 +132,8 @@ def _exact_under_rounding(user: fx.Node, src: fx.Node, low: torch.dtype) -> bool
     if user.op != "call_function" or user.target not in EXACT or user.args[0] is not src \
             or user.kwargs or any(isinstance(a, fx.Node) for a in user.args[1:]):
         return False
+    if user.target in MAX_POOLS:  # window sizes, strides, padding (by -inf), dilation
+        return True
     bounds = [float(b) for b in user.args[1:]]
     return all(torch.tensor(b, dtype=low).item() == b for b in bounds)
 

@@ -204,3 +204,35 @@ def test_embedding_gathers_from_the_fp32_table_and_casts_its_smaller_output():
     small = passes(Emb(3), (torch.randint(0, 3, (4, 5)),), True)
     (emb,) = [n for n in small.graph.nodes if n.target == aten.embedding.default]
     assert is_amp_cast(emb.args[0])
+
+
+class Stem(nn.Module):
+    """A ResNet stem: conv -> BN -> relu -> max pool -> conv."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.bn = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.pool, self.conv2 = nn.MaxPool2d(3, 2, 1), nn.Conv2d(8, 8, 3, padding=1)
+
+    def forward(self, x):
+        return self.conv2(self.pool(torch.relu(self.bn(self.conv1(x)))))
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_max_pool_after_a_norm_runs_low_and_the_norm_is_fused(train):
+    """Max pooling commutes with rounding: relu and the pool run in the low dtype on the
+    norm's fused output, so nothing between the stem's norm and the next conv is fp32."""
+    torch.manual_seed(0)
+    model = Stem().train(train)
+    x = torch.randn(2, 3, 8, 8)
+    gm, plain = passes(copy.deepcopy(model), (x,), True), passes(model, (x,), False)
+    (bn,) = norm_nodes(gm)
+    assert bn.meta["amp_io"] == torch.bfloat16
+    pool = next(n for n in gm.graph.nodes if n.target is aten.max_pool2d.default)
+    assert dtype_of(pool) == torch.bfloat16 and dtype_of(pool.args[0]) == torch.bfloat16
+    assert pool.meta["amp_precision"] == "low"
+    widen = [n for n in gm.graph.nodes if is_amp_cast(n) and dtype_of(n) == torch.float32]
+    assert len(widen) == 1 and widen[0].users.keys() == {list(gm.graph.nodes)[-1]}  # output
+    plain_pool = next(n for n in plain.graph.nodes if n.target is aten.max_pool2d.default)
+    assert dtype_of(plain_pool) == torch.float32  # without fusion the pool ran fp32
+    torch.testing.assert_close(gm(x), plain(x), rtol=1e-2, atol=1e-2)
