@@ -40,6 +40,7 @@ def test_routed_linears_give_the_same_outputs_and_gradients_as_aten_linear(block
 
     if block is not None:
         monkeypatch.setattr(weights, "SCRATCH_NUMEL", block)
+        monkeypatch.setattr(weights, "BLOCKED_NUMEL", block)
     torch.manual_seed(0)
     for shape in ((5, 16), (2, 3, 16)):  # 2-D and batched inputs
         model = Net()
@@ -72,6 +73,8 @@ def test_gradient_buffers_and_scratch_are_reused_across_steps(monkeypatch):
     import ampgraph.runtime.weights as weights
 
     monkeypatch.setattr(weights, "SCRATCH_NUMEL", 64)
+
+    monkeypatch.setattr(weights, "BLOCKED_NUMEL", 64)
     torch.manual_seed(0)
     model = Net()
     x = torch.randn(4, 16)
@@ -104,6 +107,8 @@ def test_blocked_linear_checks_the_master_is_unchanged_before_backward(monkeypat
     import ampgraph.runtime.weights as weights
 
     monkeypatch.setattr(weights, "SCRATCH_NUMEL", 40)
+
+    monkeypatch.setattr(weights, "BLOCKED_NUMEL", 40)
     model = Net()
     x = torch.randn(3, 16)
     gm, _ = compiled(model, x, True)
@@ -114,10 +119,14 @@ def test_blocked_linear_checks_the_master_is_unchanged_before_backward(monkeypat
         loss.backward()
 
 
-def test_a_large_linear_keeps_no_whole_low_precision_copy_of_its_weight():
+def test_a_large_linear_keeps_no_whole_low_precision_copy_of_its_weight(monkeypatch):
     """Peak live tensors of a steady-state step, counted from before the first step (so
     buffers kept between steps count): the fp32 gradient plus less than a bf16 copy."""
     import time
+
+    import ampgraph.runtime.weights as weights
+
+    monkeypatch.setattr(weights, "BLOCKED_NUMEL", weights.SCRATCH_NUMEL)  # 2M: blocked
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(1024, 2048), nn.ReLU(), nn.Linear(2048, 8))
@@ -145,6 +154,8 @@ def test_training_drops_the_inference_copies(monkeypatch):
     import ampgraph.runtime.weights as weights
 
     monkeypatch.setattr(weights, "SCRATCH_NUMEL", 40)  # fc1/fc3 blocked, fc2 cast whole
+
+    monkeypatch.setattr(weights, "BLOCKED_NUMEL", 40)
     model = Net()
     x = torch.randn(3, 16)
     gm, cache = compiled(model, x, True)
