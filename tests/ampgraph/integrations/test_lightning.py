@@ -111,6 +111,11 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     trainer.fit(model, _data(), ckpt_path=ckpt)
     out["resume"] = {"records": model.records, "state": plugin.state_dict()}
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    # Lightning leaves the process group up; a gloo group still alive at interpreter exit
+    # can abort the process ("terminate called without an active exception")
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 def _free_port() -> int:
