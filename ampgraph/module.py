@@ -178,6 +178,19 @@ class AmpModule(nn.Module):
         return (f"level={cfg.amp_level}, dtype={dtype_name(self.amp_dtype)}, "
                 f"model={type(self._amp_model).__name__}")
 
+    def working_copies(self) -> list[torch.Tensor]:
+        """The low-precision training copies of the weights this module keeps between steps
+        (what counts beside parameters, gradients and optimizer state in memory budgets).
+
+        Example:
+            >>> sum(t.numel() * t.element_size() for t in net.working_copies())  # doctest: +SKIP
+        """
+        copies = self._amp_weights.train_copies()
+        if self._amp_eager is not None:
+            for child in _amp_children(self._amp_eager):
+                copies += child.working_copies()
+        return copies
+
     def clear_weight_cache(self) -> None:
         """Drop the low-precision inference copies of the weights (after ``p.data`` edits)."""
         self._amp_weights.clear()

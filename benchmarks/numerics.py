@@ -203,8 +203,7 @@ def run_weights(task, mode, epochs, optimizer="default"):
     model.eval()
     with torch.no_grad():
         acc = float((step.module(xte).argmax(1) == yte).float().mean()) * 100
-    copies = [e[0] for _, per in step.module._amp_weights._slots.values()
-              for key, e in per.items() if key[0] == "train"]
+    copies = step.module.working_copies()
     upd = step.weight_update
     b = state_bytes(model, opt, copies)
     numel = sum(p.numel() for p in model.parameters())

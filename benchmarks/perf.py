@@ -74,15 +74,20 @@ def loss_of(out: torch.Tensor) -> torch.Tensor:
 
 
 class Mode:
-    """One way of running the model: a train step and an inference call."""
+    """One way of running the model: a train step and an inference call.
 
-    def __init__(self, name: str, model: nn.Module, inputs: tuple, dtype: torch.dtype,
-                 device: str):
+    ``inputs`` are positional (a tuple) or keywords (a dict); ``loss`` maps the output to
+    the training loss; the optimizer is AdamW, fused unless ``fused=False``.
+    """
+
+    def __init__(self, name: str, model: nn.Module, inputs: tuple | dict, dtype: torch.dtype,
+                 device: str, *, loss: Any = None, lr: float = 1e-4, fused: bool = True):
         self.name = name
         self.model = copy.deepcopy(model)
         self.inputs = inputs
         self.device = device
         self.dtype = dtype
+        self.loss = loss or loss_of
         self.scaler = None
         if name == "floor":
             self.model = self.model.to(dtype)
@@ -96,17 +101,22 @@ class Mode:
             if name == "autocast" and dtype == torch.float16:
                 self.scaler = torch.amp.GradScaler(device)
         # fused AdamW (CPU and CUDA): the fast optimizer a speed-minded user picks, for all modes
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=True)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, fused=fused)
 
-    def forward(self) -> torch.Tensor:
+    def forward(self) -> Any:
         if self.name == "autocast":
             with torch.autocast(self.device, self.dtype):
-                return self.net(*self.inputs)
+                return self._call()
+        return self._call()
+
+    def _call(self) -> Any:
+        if isinstance(self.inputs, dict):
+            return self.net(**self.inputs)
         return self.net(*self.inputs)
 
     def train_step(self) -> None:
         self.model.train()
-        loss = loss_of(self.forward())
+        loss = self.loss(self.forward())
         self.opt.zero_grad(set_to_none=True)
         if self.scaler is not None:
             self.scaler.scale(loss).backward()

@@ -28,12 +28,10 @@ fresh subprocess; ``perf.peak_live_tensors_mib``). Prints a table and writes JSO
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import math
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import time
@@ -46,9 +44,7 @@ from torch import nn
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.join(HERE, "..")]
 
-from perf import peak_live_tensors_mib, sync  # noqa: E402
-
-import ampgraph  # noqa: E402
+from perf import Mode, peak_live_tensors_mib, time_interleaved  # noqa: E402
 
 MODELS = ("resnet50", "vit", "bert", "gpt2", "llama")
 MODES = ("fp32", "autocast", "O2", "O2-inductor")
@@ -125,66 +121,17 @@ def build(name: str, smoke: bool, device: str) -> tuple[nn.Module, dict, Callabl
     return model, inputs, loss, source
 
 
-class Mode:
-    """One way of running the model: a user's train step (AdamW) and an inference call."""
-
-    def __init__(self, name: str, model: nn.Module, inputs: dict, loss: Callable,
-                 low: torch.dtype, device: str):
-        self.name, self.inputs, self.loss, self.low, self.device = name, inputs, loss, low, device
-        self.model = copy.deepcopy(model)
-        self.scaler = None
-        if name.startswith("O"):
-            level, _, backend = name.partition("-")
-            self.net = ampgraph.compile(self.model, level, low, backend=backend or None)
-        else:
-            self.net = self.model
-            if name == "autocast" and low == torch.float16:
-                self.scaler = torch.amp.GradScaler(device)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-5)
-
-    def forward(self) -> Any:
-        if self.name == "autocast":
-            with torch.autocast(self.device, self.low):
-                return self.net(**self.inputs)
-        return self.net(**self.inputs)
-
-    def train_step(self) -> None:
-        self.model.train()
-        loss = self.loss(self.forward())
-        self.opt.zero_grad(set_to_none=True)
-        if self.scaler is not None:
-            self.scaler.scale(loss).backward()
-            self.scaler.step(self.opt)
-            self.scaler.update()
-        else:
-            loss.backward()
-            self.opt.step()
-
-    def infer(self) -> None:
-        self.model.eval()
-        with torch.no_grad():
-            self.forward()
-
-
-def time_modes(modes: list[Mode], what: str, steps: int, warmup: int) -> dict:
-    times: dict[str, list[float]] = {m.name: [] for m in modes}
-    for i in range(steps + warmup):
-        for m in modes:
-            fn = m.train_step if what == "train" else m.infer
-            sync(m.device)
-            t0 = time.perf_counter()
-            fn()
-            sync(m.device)
-            if i >= warmup:
-                times[m.name].append(1000 * (time.perf_counter() - t0))
-    return {k: {"median_ms": statistics.median(v), "min_ms": min(v), "max_ms": max(v)}
-            for k, v in times.items()}
+def user_mode(name: str, model: nn.Module, inputs: dict, loss: Callable, low: torch.dtype,
+         device: str) -> Mode:
+    """One way of running the model: the user's train step (plain AdamW, lr 1e-5) and an
+    inference call, ``perf.Mode`` with keyword inputs."""
+    return Mode(name, model, inputs, low, device, loss=loss, lr=1e-5, fused=False)
 
 
 def peak_memory(args: argparse.Namespace, name: str, mode: str) -> float | None:
     if args.device == "cuda":
         model, inputs, loss, _ = build(name, args.smoke, "cuda")
-        m = Mode(mode, model, inputs, loss, args.low, "cuda")
+        m = user_mode(mode, model, inputs, loss, args.low, "cuda")
         m.train_step()
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -207,7 +154,7 @@ def memory_probe(args: argparse.Namespace) -> None:
     allocated and no gradients (``perf.memory_probe`` explains the measure)."""
     name, mode = args.memory_probe.split(":")
     model, inputs, loss, _ = build(name, args.smoke, "cpu")
-    m = Mode(mode, model, inputs, loss, args.low, "cpu")
+    m = user_mode(mode, model, inputs, loss, args.low, "cpu")
     for p in m.model.parameters():
         p.grad = torch.zeros_like(p)
     m.opt.step()
@@ -245,10 +192,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     for name in args.models.split(","):
         model, inputs, loss, source = build(name, args.smoke, args.device)
-        runs = [Mode(m, model, inputs, loss, args.low, args.device) for m in modes]
+        runs = [user_mode(m, model, inputs, loss, args.low, args.device) for m in modes]
         entry = {"source": source,
-                 "train": time_modes(runs, "train", args.steps, args.warmup),
-                 "infer": time_modes(runs, "infer", args.steps, args.warmup)}
+                 "train": time_interleaved(runs, "train", args.steps, args.warmup),
+                 "infer": time_interleaved(runs, "infer", args.steps, args.warmup)}
         if not args.no_memory:
             entry["peak_tensor_mib"] = {m: peak_memory(args, name, m) for m in modes
                                         if m != "O2-inductor"}

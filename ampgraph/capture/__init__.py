@@ -1,9 +1,11 @@
 """Capture a module with torch.export and keep one graph per (mode, input structure).
 
+The ``no_grad`` regions export records are inlined right after export
+(``passes.fx.no_grad_regions``).
+
 - ``export``: the exported root taking ``(args, kwargs)``, ``export_module``, ``Captured``;
 - ``structure``: flattening outputs (and inputs) of any structure, rebuilding them;
 - ``hf_caches``: HuggingFace cache objects as pytree nodes;
-- ``no_grad``: ``no_grad`` regions inlined into the graph;
 - ``state``: ``preserved_global_state``, around every export attempt.
 """
 

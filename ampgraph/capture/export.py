@@ -20,7 +20,6 @@ from torch.utils import _pytree as pytree
 from torch.utils._pytree import tree_flatten
 
 from ampgraph.capture.hf_caches import register_hf_caches
-from ampgraph.capture.no_grad import inline_no_grad_regions
 from ampgraph.capture.state import preserved_global_state
 from ampgraph.capture.structure import (
     BUILTIN_NODE_TYPES,
@@ -32,6 +31,7 @@ from ampgraph.capture.structure import (
     strip_tensors,
     unflatten_output,
 )
+from passes.fx.no_grad_regions import inline_no_grad_regions
 
 
 class ExportRoot(nn.Module):

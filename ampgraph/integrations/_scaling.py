@@ -15,20 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ampgraph.train.codegen import local_grads
-from ampgraph.train.loss_scale import DynamicLossScaleManager, LossScaleManager
-
-
-def resolve_manager(manager: Any, amp_dtype: torch.dtype) -> LossScaleManager | None:
-    """``"auto"``: a ``DynamicLossScaleManager()`` for fp16, None for bf16 and O0; an
-    explicit manager or None as given."""
-    if isinstance(manager, str) and manager == "auto":
-        return DynamicLossScaleManager() if amp_dtype == torch.float16 else None
-    if manager is None or isinstance(manager, LossScaleManager):
-        return manager
-    raise ValueError(
-        f"loss_scale_manager must be 'auto', None, or a FixedLossScaleManager / "
-        f"DynamicLossScaleManager instance, got {manager!r}"
-    )
+from ampgraph.train.loss_scale import LossScaleManager
 
 
 class _ScaleGrad(torch.autograd.Function):

@@ -36,9 +36,9 @@ from torch import nn
 
 import ampgraph
 from ampgraph.config import dtype_name, model_device, resolve_dtype
-from ampgraph.integrations._scaling import LossScaler, resolve_manager
+from ampgraph.integrations._scaling import LossScaler
 from ampgraph.module import AmpModule
-from ampgraph.train.loss_scale import LossScaleManager
+from ampgraph.train.loss_scale import LossScaleManager, resolve_manager
 
 __all__ = ["AmpGraphPrecision", "compile_children"]
 

@@ -34,9 +34,9 @@ from transformers import Trainer
 
 import ampgraph
 from ampgraph.config import model_device, resolve_dtype
-from ampgraph.integrations._scaling import LossScaler, resolve_manager
+from ampgraph.integrations._scaling import LossScaler
 from ampgraph.module import AmpModule
-from ampgraph.train.loss_scale import LossScaleManager
+from ampgraph.train.loss_scale import LossScaleManager, resolve_manager
 
 __all__ = ["AmpGraphTrainer"]
 

@@ -326,6 +326,12 @@ class WeightCache:
             self._slots = {}
             self._scratch = {}
 
+    def train_copies(self) -> list[torch.Tensor]:
+        """The persistent low-precision working copies that training casts write into."""
+        with self._lock:
+            return [entry[0] for _, per in self._slots.values()
+                    for key, entry in per.items() if key[0] == "train"]
+
     def nbytes(self) -> int:
         """Bytes held by the working copies."""
         with self._lock:

@@ -21,6 +21,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from ampgraph.train.loss_scale import unscale_by_device
+
 __all__ = ["ALWAYS", "FOUND_INF", "HOST", "Counters", "StepOutput", "StepSpec", "generate",
            "make_step_function", "runtime_helpers"]
 
@@ -329,19 +331,6 @@ def cast_fp32(output: Any) -> Any:
 def to_host(info: torch.Tensor) -> list[float]:
     """The step's one host synchronisation: [found_inf, scale] as Python floats."""
     return info.tolist()
-
-
-def unscale_by_device(
-    params: list[nn.Parameter], found_inf: torch.Tensor, inv_scale: torch.Tensor
-) -> None:
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for p in params:
-        if p.grad is not None:
-            by_device.setdefault(p.grad.device, []).append(p.grad)
-    for device, grads in by_device.items():
-        flag = torch.zeros((), dtype=torch.float32, device=device)
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, inv_scale.to(device))
-        found_inf.logical_or_(flag.to(found_inf.device))
 
 
 def local_grads(params: list[nn.Parameter]) -> list[torch.Tensor]:

@@ -149,15 +149,7 @@ class LossScaleManager:
             >>> FixedLossScaleManager(8).unscale_([p], flag); p.grad.tolist()
             [1.0, 1.0]
         """
-        inv = self._scale.double().reciprocal().float()
-        by_device: dict[torch.device, list[torch.Tensor]] = {}
-        for p in params:
-            if p.grad is not None:
-                by_device.setdefault(p.grad.device, []).append(p.grad)
-        for device, grads in by_device.items():
-            flag = torch.zeros((), dtype=torch.float32, device=device)
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, inv.to(device))
-            found_inf.logical_or_(flag.to(found_inf.device))
+        unscale_by_device(params, found_inf, self._scale.double().reciprocal().float())
 
     def observe_gradients(self, params: list[torch.Tensor], found_inf: torch.Tensor) -> None:
         """See the unscaled gradients before the optimizer step (default: nothing).
@@ -397,3 +389,31 @@ class DynamicLossScaleManager(LossScaleManager):
         return (f"DynamicLossScaleManager(loss_scale={self.get_loss_scale()}, "
                 f"scale_factor={self.scale_factor}, scale_window={self.scale_window}, "
                 f"min_loss_scale={self.min_loss_scale})")
+
+
+def unscale_by_device(
+    params: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor
+) -> None:
+    """Unscale every gradient in place by ``inv_scale``, one fused kernel per device, and
+    OR each device's non-finite flag into ``found_inf``."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            by_device.setdefault(p.grad.device, []).append(p.grad)
+    for device, grads in by_device.items():
+        flag = torch.zeros((), dtype=torch.float32, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, inv_scale.to(device))
+        found_inf.logical_or_(flag.to(found_inf.device))
+
+
+def resolve_manager(manager: Any, amp_dtype: torch.dtype) -> LossScaleManager | None:
+    """``"auto"``: a ``DynamicLossScaleManager()`` for fp16, None for bf16 and O0; an
+    explicit manager or None as given."""
+    if isinstance(manager, str) and manager == "auto":
+        return DynamicLossScaleManager() if amp_dtype == torch.float16 else None
+    if manager is None or isinstance(manager, LossScaleManager):
+        return manager
+    raise ValueError(
+        f"loss_scale_manager must be 'auto', None, or a FixedLossScaleManager / "
+        f"DynamicLossScaleManager instance, got {manager!r}"
+    )

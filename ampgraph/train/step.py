@@ -28,7 +28,7 @@ from ampgraph.train.codegen import (
     make_step_function,
     runtime_helpers,
 )
-from ampgraph.train.loss_scale import DynamicLossScaleManager, LossScaleManager
+from ampgraph.train.loss_scale import LossScaleManager, resolve_manager
 from ampgraph.train.low_precision_weights import (
     MASTER_WEIGHTS,
     LowPrecisionUpdate,
@@ -254,7 +254,7 @@ def build_train_step(
     params = train_params(module, optimizer)
     device = model_device(module)
     amp = amp_of(module)
-    manager = _resolve_manager(loss_scale_manager, amp.amp_dtype)
+    manager = resolve_manager(loss_scale_manager, amp.amp_dtype)
     sharded = is_sharded(params)
     if manager is not None:
         manager.to(device)
@@ -310,17 +310,6 @@ def _weight_update(mode: Any, module: nn.Module, optimizer: torch.optim.Optimize
     module._amp_graphs.clear()  # graphs captured with fp32 parameters are stale
     update = LowPrecisionUpdate(mode)
     return update
-
-
-def _resolve_manager(manager: Any, amp_dtype: torch.dtype) -> LossScaleManager | None:
-    if isinstance(manager, str) and manager == "auto":
-        return DynamicLossScaleManager() if amp_dtype == torch.float16 else None
-    if manager is None or isinstance(manager, LossScaleManager):
-        return manager
-    raise ValueError(
-        f"loss_scale_manager must be 'auto', None, or a FixedLossScaleManager / "
-        f"DynamicLossScaleManager instance, got {manager!r}"
-    )
 
 
 def _decision(optimizer: torch.optim.Optimizer, manager: LossScaleManager | None,

@@ -48,8 +48,7 @@ def _run(mode: str, data, epochs: int = 20, lr: float = 0.003) -> dict:
     with torch.no_grad():
         acc = (step.module(xte).argmax(1) == yte).float().mean().item() * 100
     # what the fp32-master run also keeps: the runtime's persistent bf16 working copies
-    copies = [entry[0] for _, per in step.module._amp_weights._slots.values()
-              for key, entry in per.items() if key[0] == "train"]
+    copies = step.module.working_copies()
     upd = step.weight_update
     return {"acc": acc, "bytes": state_bytes(model, opt, copies),
             "swamped": upd.swamped / upd.updated if upd else 0.0,
