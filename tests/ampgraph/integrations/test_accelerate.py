@@ -10,11 +10,12 @@ store and Accelerate's CPU environment variables.
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 from torch import nn
+
+from tests.distributed import free_port, spawn
 
 accelerate = pytest.importorskip("accelerate", reason="accelerate is not installed "
                                  "(pip install -r requirements-pinned.txt)")
@@ -69,24 +70,12 @@ def _launch(index: int, world: int, port: int, out_dir: str) -> None:
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         store = dist.FileStore(os.path.join(out_dir, "rdv"), world)
         dist.init_process_group("gloo", rank=rank, world_size=world, store=store)
-    try:
-        _train(out_dir, mixed, tag)
-    finally:
-        if world > 1:
-            dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    _train(out_dir, mixed, tag)
 
 
 def test_prepare_trains_on_one_and_two_processes_and_ignores_autocast(tmp_path):
-    import torch.multiprocessing as mp
-
-    mp.spawn(_launch, args=(1, _free_port(), str(tmp_path)), nprocs=2, join=True)
-    mp.spawn(_launch, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn(_launch, 1, free_port(), str(tmp_path))
+    spawn(_launch, 2, free_port(), str(tmp_path))
     one = torch.load(tmp_path / "one0.pt")
     autocast = torch.load(tmp_path / "autocast0.pt")
     two0, two1 = torch.load(tmp_path / "two0.pt"), torch.load(tmp_path / "two1.pt")

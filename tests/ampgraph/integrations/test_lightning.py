@@ -8,12 +8,12 @@ step), and a resume from that run's checkpoint (the loss scale comes back).
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch import nn
+
+from tests.distributed import free_port, spawn
 
 pl = pytest.importorskip("lightning.pytorch", reason="lightning is not installed "
                          "(pip install -r requirements-pinned.txt)")
@@ -110,22 +110,11 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     trainer = _trainer(plugin, FP16_STEPS + 2, out_dir)
     trainer.fit(model, _data(), ckpt_path=ckpt)
     out["resume"] = {"records": model.records, "state": plugin.state_dict()}
-    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
-    # Lightning leaves the process group up; a gloo group still alive at interpreter exit
-    # can abort the process ("terminate called without an active exception")
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))  # spawn() ends the group
 
 
 def test_ddp_bf16_trains_fp16_skips_together_and_the_scale_resumes(tmp_path):
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    spawn(_worker, free_port(), str(tmp_path), nprocs=WORLD)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD))
     bf16 = r0["bf16"]
     assert bf16["compiled"] == ["net"] and bf16["is_amp"] and bf16["keys_same"]

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+
+from tests.distributed import free_port, spawn
 
 WORLD = 2
 LOSS_ONLY_STEP = 2  # rank 1's loss is inf, its gradients finite: only the flag all-reduce helps
@@ -38,55 +38,46 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    model = _mlp()
+    ddp = DistributedDataParallel(ampgraph.compile(model, "O2", "bf16"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    armed = [False]
+
+    def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.cross_entropy(out, y)
+        return loss + float("inf") if armed[0] else loss
+
+    manager = DynamicLossScaleManager(init_loss_scale=2.0**10, scale_window=1000)
+    step = build_train_step(ddp, loss_fn, opt, loss_scale_manager=manager)
+    records = []
+    for i in range(STEPS):
+        x, y = _batch(rank, i)
+        armed[0] = rank == 1 and i == LOSS_ONLY_STEP
+        if rank == 1 and i == INPUT_STEP:
+            x[3, 7] = float("inf")
+        before = [p.detach().clone() for p in model.parameters()]
+        out = step(x, y)
+        changed = any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+        records.append((out.overflow, out.loss_scale, changed))
+    # the no_sync path: gradient accumulation over DDP micro-batches
+    accumulate = build_train_step(ddp, F.cross_entropy, opt, accumulation_steps=2,
+                                  loss_scale_manager=manager)
+    stepped = [accumulate(*_batch(rank, 50 + i)).stepped for i in range(4)]
     try:
-        model = _mlp()
-        ddp = DistributedDataParallel(ampgraph.compile(model, "O2", "bf16"))
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        armed = [False]
-
-        def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            loss = F.cross_entropy(out, y)
-            return loss + float("inf") if armed[0] else loss
-
-        manager = DynamicLossScaleManager(init_loss_scale=2.0**10, scale_window=1000)
-        step = build_train_step(ddp, loss_fn, opt, loss_scale_manager=manager)
-        records = []
-        for i in range(STEPS):
-            x, y = _batch(rank, i)
-            armed[0] = rank == 1 and i == LOSS_ONLY_STEP
-            if rank == 1 and i == INPUT_STEP:
-                x[3, 7] = float("inf")
-            before = [p.detach().clone() for p in model.parameters()]
-            out = step(x, y)
-            changed = any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
-            records.append((out.overflow, out.loss_scale, changed))
-        # the no_sync path: gradient accumulation over DDP micro-batches
-        accumulate = build_train_step(ddp, F.cross_entropy, opt, accumulation_steps=2,
-                                      loss_scale_manager=manager)
-        stepped = [accumulate(*_batch(rank, 50 + i)).stepped for i in range(4)]
-        try:
-            build_train_step(DistributedDataParallel(_mlp()), F.cross_entropy, opt)
-            uncompiled_error = ""
-        except ValueError as exc:
-            uncompiled_error = str(exc)
-        torch.save({
-            "records": records, "stepped": stepped, "uncompiled_error": uncompiled_error,
-            "code": step.code + accumulate.code, "scale": manager.get_loss_scale(),
-            "params": [p.detach().clone() for p in model.parameters()],
-        }, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        build_train_step(DistributedDataParallel(_mlp()), F.cross_entropy, opt)
+        uncompiled_error = ""
+    except ValueError as exc:
+        uncompiled_error = str(exc)
+    torch.save({
+        "records": records, "stepped": stepped, "uncompiled_error": uncompiled_error,
+        "code": step.code + accumulate.code, "scale": manager.get_loss_scale(),
+        "params": [p.detach().clone() for p in model.parameters()],
+    }, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 def test_one_rank_overflowing_makes_every_rank_skip(tmp_path):
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    spawn(_worker, free_port(), str(tmp_path), nprocs=WORLD)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD))
     assert "dist.all_reduce(found_inf, op=dist.ReduceOp.MAX" in r0["code"]
     assert "with net.no_sync() if micro != 1 else nullcontext():" in r0["code"]

@@ -14,9 +14,10 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
+
+from tests.distributed import spawn
 
 WORLD = 2
 STEPS = 10
@@ -79,57 +80,54 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=WORLD)
-    try:
-        mesh = init_device_mesh("cpu", (WORLD,))
-        rows = slice(rank * BATCH, (rank + 1) * BATCH)
+    mesh = init_device_mesh("cpu", (WORLD,))
+    rows = slice(rank * BATCH, (rank + 1) * BATCH)
 
-        def sharded(dtype):
-            model = _model(dtype)
-            for i in range(len(model.layers)):
-                fully_shard(model.layers[i], mesh=mesh)
-            fully_shard(model, mesh=mesh)
-            return model
+    def sharded(dtype):
+        model = _model(dtype)
+        for i in range(len(model.layers)):
+            fully_shard(model.layers[i], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
 
-        # 1. bf16, a plain loop: the pattern of docs/integrations.md
-        model = sharded("bf16")
-        local = sum(p.to_local().numel() for p in model.parameters())
-        total = sum(p.numel() for p in model.parameters())
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        losses = []
-        for i in range(STEPS):
-            x, y = _batch(i)
-            loss = _loss(model(x[rows]), y[rows])
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            mean = loss.detach().clone()
-            dist.all_reduce(mean)  # SUM, then divide: the global-batch loss
-            losses.append(mean.item() / WORLD)
+    # 1. bf16, a plain loop: the pattern of docs/integrations.md
+    model = sharded("bf16")
+    local = sum(p.to_local().numel() for p in model.parameters())
+    total = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for i in range(STEPS):
+        x, y = _batch(i)
+        loss = _loss(model(x[rows]), y[rows])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)  # SUM, then divide: the global-batch loss
+        losses.append(mean.item() / WORLD)
 
-        # 2. fp16 through build_train_step: clipping on DTensor gradients, one rank overflows
-        model = sharded("fp16")
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        manager = DynamicLossScaleManager(init_loss_scale=2.0**8, scale_window=1000)
-        step = build_train_step(model, _loss, opt, loss_scale_manager=manager,
-                                clip_grad_norm=1.0)
-        records = []
-        for i in range(FP16_STEPS):
-            x, y = _batch(100 + i)
-            x = x[rows].clone()
-            if rank == 1 and i == OVERFLOW_STEP:
-                x[0, 0, 0] = float("inf")
-            before = [p.to_local().clone() for p in model.parameters()]
-            out = step(x, y[rows])
-            changed = any(not torch.equal(a, p.to_local())
-                          for a, p in zip(before, model.parameters()))
-            records.append((out.overflow, out.loss_scale, changed,
-                            None if out.overflow else float(out.grad_norm)))
-        full = [p.full_tensor() for p in model.parameters()]
-        torch.save({"losses": losses, "local": local, "total": total, "records": records,
-                    "code": step.code, "full": full},
-                   os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    # 2. fp16 through build_train_step: clipping on DTensor gradients, one rank overflows
+    model = sharded("fp16")
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    manager = DynamicLossScaleManager(init_loss_scale=2.0**8, scale_window=1000)
+    step = build_train_step(model, _loss, opt, loss_scale_manager=manager,
+                            clip_grad_norm=1.0)
+    records = []
+    for i in range(FP16_STEPS):
+        x, y = _batch(100 + i)
+        x = x[rows].clone()
+        if rank == 1 and i == OVERFLOW_STEP:
+            x[0, 0, 0] = float("inf")
+        before = [p.to_local().clone() for p in model.parameters()]
+        out = step(x, y[rows])
+        changed = any(not torch.equal(a, p.to_local())
+                      for a, p in zip(before, model.parameters()))
+        records.append((out.overflow, out.loss_scale, changed,
+                        None if out.overflow else float(out.grad_norm)))
+    full = [p.full_tensor() for p in model.parameters()]
+    torch.save({"losses": losses, "local": local, "total": total, "records": records,
+                "code": step.code, "full": full},
+               os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 def _reference_losses() -> list[float]:
@@ -148,7 +146,7 @@ def _reference_losses() -> list[float]:
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 def test_fully_shard_over_compiled_blocks_matches_the_unsharded_run(tmp_path, one_thread):
-    mp.spawn(_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD, join=True)
+    spawn(_worker, str(tmp_path / "init"), str(tmp_path), nprocs=WORLD)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD))
     reference = _reference_losses()
     assert r0["losses"] == r1["losses"]
