@@ -48,6 +48,7 @@ class _CastInto(torch.autograd.Function):
                 ) -> torch.Tensor:
         ctx.param_ref = weakref.ref(param)
         ctx.cache = cache
+        cache.expect_grad(param, ctx)
         buffer.copy_(param)
         return buffer.view_as(buffer)
 
@@ -57,7 +58,7 @@ class _CastInto(torch.autograd.Function):
         if param is None or grad.shape != param.shape or grad.layout != torch.strided:
             return grad.to(torch.float32 if param is None else param.dtype), None, None
         # a fresh view: autograd may adopt it as param.grad without copying
-        return ctx.cache.grad_buffer(param).copy_(grad), None, None
+        return ctx.cache.grad_buffer(param, ctx).copy_(grad), None, None
 
 
 class _Linear(torch.autograd.Function):
@@ -86,6 +87,9 @@ class _Linear(torch.autograd.Function):
         bl = cache._buffer(b, ("train", x.dtype), x.dtype).copy_(b) if cast_bias else b
         ctx.refs = (weakref.ref(w), weakref.ref(b) if cast_bias else None)
         ctx.cache = cache
+        cache.expect_grad(w, ctx)
+        if cast_bias:
+            cache.expect_grad(b, ctx)
         ctx.has_bias = b is not None
         ctx.blocked = _blockable(x, w)
         if ctx.blocked:
@@ -109,12 +113,12 @@ class _Linear(torch.autograd.Function):
                 gx = grad.matmul(wl)
         w_ref, b_ref = ctx.refs
         if need_w:
-            gw = ctx.cache.linear_weight_grad(w_ref(), grad2, x.reshape(-1, x.shape[-1]))
+            gw = ctx.cache.linear_weight_grad(w_ref(), grad2, x.reshape(-1, x.shape[-1]), ctx)
         if need_b and ctx.has_bias:
             gb = grad2.sum(0)  # in the low dtype, as aten's linear backward
             b = b_ref() if b_ref is not None else None
             if b is not None:
-                gb = ctx.cache.grad_buffer(b).copy_(gb)
+                gb = ctx.cache.grad_buffer(b, ctx).copy_(gb)
             elif b_ref is not None:
                 gb = gb.float()
         return gx, gw, gb, None
@@ -132,6 +136,7 @@ class _Embedding(torch.autograd.Function):
         ctx.w_ref = weakref.ref(w)
         ctx.padding_idx = padding_idx
         ctx.cache = cache
+        cache.expect_grad(w, ctx)
         ctx.table = (w.shape, w.dtype)
         return torch.ops.aten.embedding.default(w, ids, padding_idx)
 
@@ -145,7 +150,7 @@ class _Embedding(torch.autograd.Function):
         if ctx.padding_idx >= 0:  # the padding row gets no gradient
             rows = rows.masked_fill((flat == ctx.padding_idx).unsqueeze(1), 0)
         if w is not None and w.shape == shape and w.layout == torch.strided:
-            out = ctx.cache.grad_buffer(w).zero_()
+            out = ctx.cache.grad_buffer(w, ctx).zero_()
         else:
             out = torch.zeros(shape, dtype=dtype, device=grad.device)
         return out.index_add_(0, flat, rows.to(dtype)), None, None, None
@@ -178,6 +183,8 @@ class WeightCache:
         self._slots: dict[int, tuple[weakref.ref, dict]] = {}
         self._lock = threading.RLock()  # GC callbacks may fire while it is held
         self._scratch: dict[tuple, list[tuple[torch.Tensor, int]]] = {}
+        # id(param) -> backward nodes (autograd ctxs) still to produce a gradient for it
+        self._pending: dict[int, weakref.WeakSet] = {}
 
     def _per_param(self, p: torch.Tensor) -> dict:
         ref, per = self._slots.get(id(p), (None, None))
@@ -191,6 +198,7 @@ class WeightCache:
             with self._lock:
                 if self._slots.get(key, (None,))[0] is ref:
                     del self._slots[key]
+                    self._pending.pop(key, None)
         return drop
 
     def cast(self, p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -258,12 +266,12 @@ class WeightCache:
             yield start, n, scratch.narrow(dim, 0, n).copy_(w.narrow(dim, start, n))
 
     def linear_weight_grad(self, w: torch.Tensor | None, grad: torch.Tensor,
-                           x: torch.Tensor) -> torch.Tensor:
+                           x: torch.Tensor, ctx: Any = None) -> torch.Tensor:
         """``(grad.T @ x).to(w.dtype)`` into ``w``'s gradient buffer, in row blocks."""
         rows = grad.shape[1]
         if w is None or w.shape != (rows, x.shape[1]) or w.layout != torch.strided:
             return grad.t().mm(x).to(torch.float32 if w is None else w.dtype)
-        out = self.grad_buffer(w)
+        out = self.grad_buffer(w, ctx)
         gt = grad.t()
         if w.numel() <= BLOCKED_NUMEL or w.device.type != "cpu":
             # one product: small, or a GPU, whose caching allocator recycles it
@@ -292,9 +300,31 @@ class WeightCache:
                 pool.append((buf, _storage_refs(buf)))
             return buf.view_as(buf)
 
-    def grad_buffer(self, p: torch.Tensor) -> torch.Tensor:
-        """A view of a persistent buffer for ``p``'s gradient that nothing else holds."""
-        return self._buffer(p, ("grad", p.dtype), p.dtype)
+    def expect_grad(self, p: torch.Tensor, ctx: Any) -> None:
+        """Note that the backward of ``ctx`` (an autograd ctx) will produce a gradient for
+        ``p``; forgotten when ``ctx`` is (its graph freed without a backward)."""
+        with self._lock:
+            self._per_param(p)  # registers the cleanup when p dies
+            self._pending.setdefault(id(p), weakref.WeakSet()).add(ctx)
+
+    def grad_buffer(self, p: torch.Tensor, ctx: Any = None) -> torch.Tensor:
+        """A view of a persistent buffer for ``p``'s gradient that nothing else holds.
+
+        When another gradient for ``p`` is still to come (a weight used twice, as tied input
+        and output embeddings are; backward ``ctx`` is done with ``p`` once this returns),
+        the first ones get fresh tensors: autograd sums a weight's gradients in place only
+        into the first that arrives and only if nothing else holds it, so the persistent
+        buffer goes to the last. Two cache-held buffers would cost a third, summed tensor.
+        """
+        with self._lock:
+            pending = self._pending.get(id(p))
+            if pending is not None and ctx is not None:
+                pending.discard(ctx)
+                if len(pending):
+                    with torch.inference_mode(False):
+                        return torch.empty_strided(p.shape, p.stride(), dtype=p.dtype,
+                                                   device=p.device)
+            return self._buffer(p, ("grad", p.dtype), p.dtype)
 
     def _buffer(self, p: torch.Tensor, key: tuple, dtype: torch.dtype) -> torch.Tensor:
         """A view of the buffer stored under ``key`` if no tensor outside the cache shares its
@@ -325,6 +355,7 @@ class WeightCache:
         with self._lock:
             self._slots = {}
             self._scratch = {}
+            self._pending = {}
 
     def train_copies(self) -> list[torch.Tensor]:
         """The persistent low-precision working copies that training casts write into."""

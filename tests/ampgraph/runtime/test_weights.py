@@ -213,6 +213,43 @@ def test_embedding_gradients_go_into_persistent_buffers_with_the_same_sums():
         torch.testing.assert_close(gm(ids), plain(ids), rtol=0, atol=0)
 
 
+class TiedHead(nn.Module):
+    """Input and output embeddings sharing one table, as GPT-2's and BERT's do."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.fc = nn.Embedding(50, 16), nn.Linear(16, 16)
+        self.head = nn.Linear(16, 50, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(torch.relu(self.fc(self.emb(ids))))
+
+
+def test_a_tied_weight_sums_its_two_gradients_in_place():
+    """The head's gradient arrives first: it must be a tensor nothing else holds, so that
+    autograd adds the embedding's into it in place; a cache-held buffer there costs an
+    out-of-place, table-sized add every step."""
+    torch.manual_seed(0)
+    model, ids = TiedHead(), torch.randint(0, 50, (4, 8))
+    gm, cache = compiled(model, ids, True)
+    plain, _ = compiled(copy.deepcopy(model), ids, False)
+    targets = [n.target for n in gm.graph.nodes]
+    assert cache.amp_linear in targets and cache.amp_embedding in targets
+    shape = list(model.emb.weight.shape)
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        plain.zero_grad(set_to_none=True)
+        with torch.profiler.profile(record_shapes=True) as prof:
+            gm(ids).float().square().sum().backward()
+        adds = {e.key for e in prof.key_averages(group_by_input_shape=True)
+                if e.key in ("aten::add", "aten::add_") and shape in e.input_shapes}
+        assert adds == {"aten::add_"}
+        plain(ids).float().square().sum().backward()
+        ref = dict(plain.named_parameters())["emb.weight"].grad
+        torch.testing.assert_close(model.emb.weight.grad, ref, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("kwargs", [dict(scale_grad_by_freq=True), dict(sparse=True)])
 def test_embeddings_wanting_special_gradients_keep_aten(kwargs):
     model = nn.Sequential(nn.Embedding(20, 8, **kwargs), nn.Linear(8, 2))
