@@ -19,8 +19,13 @@ with random weights; nothing is downloaded:
 - llama: HF ``LlamaForCausalLM``, 4 layers, d=512, 8 heads, vocab 32000; 4 x 128.
 
 Each model is trained the way a user would: their own loop, cross-entropy on the logits,
-``torch.optim.AdamW``. Modes run interleaved step by step in one process (machine noise hits
-all alike); the median of ``--steps`` steps after ``--warmup`` is reported. Peak memory is
+``torch.optim.AdamW``. Each mode runs in a process of its own, as a user runs one of them:
+in one process the modes would share the C allocator's heap, and which mode's large
+allocations find free pages there (or fault fresh ones in) would depend on the mode run
+just before (we measured the same O2 LLaMA inference 10% faster or 15% slower than
+autocast by that alone). The parent steps the processes interleaved, one step each in
+turn, so machine noise still hits all modes alike; the median of ``--steps`` steps after
+``--warmup`` is reported. Peak memory is
 the peak of live tensors in a training step (profiler allocation events, each mode in a
 fresh subprocess; ``perf.peak_live_tensors_mib``). Prints a table and writes JSON.
 """
@@ -30,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import multiprocessing as mp
 import os
 import platform
 import subprocess
@@ -44,7 +50,7 @@ from torch import nn
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.join(HERE, "..")]
 
-from perf import Mode, peak_live_tensors_mib, time_interleaved  # noqa: E402
+from perf import Mode, peak_live_tensors_mib, sync, time_interleaved  # noqa: E402
 
 MODELS = ("resnet50", "vit", "bert", "gpt2", "llama")
 MODES = ("fp32", "autocast", "O2", "O2-inductor")
@@ -128,6 +134,66 @@ def user_mode(name: str, model: nn.Module, inputs: dict, loss: Callable, low: to
     return Mode(name, model, inputs, low, device, loss=loss, lr=1e-5, fused=False)
 
 
+class ModeProcess:
+    """A mode running in a process of its own: ``train_step()`` and ``infer()`` return when
+    the process has run one (``perf.time_interleaved`` times them from here; a round trip
+    costs well under a millisecond)."""
+
+    def __init__(self, name: str, mode: str, args: argparse.Namespace):
+        self.name = mode
+        self.device = "cpu"  # the worker synchronises its own device
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_mode_worker, daemon=True, args=(
+            child, name, mode, args.smoke, args.device, args.dtype, torch.get_num_threads()))
+        self._proc.start()  # builds while the other modes' processes start
+
+    def ready(self) -> str:
+        """Wait until the model is built and compiled; what was built."""
+        return self._call("ready")
+
+    def _call(self, cmd: str) -> str:
+        self._conn.send(cmd)
+        ok, reply = self._conn.recv()
+        if not ok:
+            raise RuntimeError(f"mode {self.name} failed: {reply}")
+        return reply
+
+    def train_step(self) -> None:
+        self._call("train")
+
+    def infer(self) -> None:
+        self._call("infer")
+
+    def close(self) -> None:
+        self._conn.send("exit")
+        self._proc.join()
+
+
+def _mode_worker(conn: Any, name: str, mode: str, smoke: bool, device: str, dtype: str,
+                 threads: int) -> None:
+    torch.set_num_threads(threads)
+    try:
+        model, inputs, loss, source = build(name, smoke, device)
+        low = torch.bfloat16 if dtype == "bf16" else torch.float16
+        m = user_mode(mode, model, inputs, loss, low, device)
+        del model
+    except Exception as exc:  # noqa: BLE001 - reported to the parent
+        conn.recv()
+        conn.send((False, f"{type(exc).__name__}: {exc}"))
+        return
+    while (cmd := conn.recv()) != "exit":
+        try:
+            if cmd == "train":
+                m.train_step()
+            elif cmd == "infer":
+                m.infer()
+            sync(device)
+            conn.send((True, source))
+        except Exception as exc:  # noqa: BLE001 - reported to the parent
+            conn.send((False, f"{type(exc).__name__}: {exc}"))
+
+
 def peak_memory(args: argparse.Namespace, name: str, mode: str) -> float | None:
     if args.device == "cuda":
         model, inputs, loss, _ = build(name, args.smoke, "cuda")
@@ -191,9 +257,8 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": args.dtype, "models": {},
     }
     for name in args.models.split(","):
-        model, inputs, loss, source = build(name, args.smoke, args.device)
-        runs = [user_mode(m, model, inputs, loss, args.low, args.device) for m in modes]
-        entry = {"source": source,
+        runs = [ModeProcess(name, m, args) for m in modes]
+        entry = {"source": [run.ready() for run in runs][0],
                  "train": time_interleaved(runs, "train", args.steps, args.warmup),
                  "infer": time_interleaved(runs, "infer", args.steps, args.warmup)}
         if not args.no_memory:
@@ -201,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
                                         if m != "O2-inductor"}
         results["models"][name] = entry
         print_table(name, entry, modes)
-        del runs
+        for run in runs:
+            run.close()
     ratios = [e[w]["autocast"]["median_ms"] / e[w]["O2"]["median_ms"]
               for e in results["models"].values() for w in ("train", "infer")
               if "O2" in e[w] and "autocast" in e[w]]

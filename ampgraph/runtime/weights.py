@@ -6,21 +6,21 @@ The graph's parameter casts call :meth:`WeightCache.cast` instead of ``aten._to_
   (its version counter, data pointer, device or shape), so repeated inference casts each
   weight once instead of every call;
 - with gradients (training) the cast writes into a persistent buffer per weight (dropping
-  the inference copy, which the next update makes stale) instead of a fresh allocation,
-  which on CPU costs page faults every step; a buffer still referenced by a live autograd
-  graph (two forwards before one backward) is never overwritten, a new one is made. The
-  cast's backward hands fp32 gradients to the master, likewise converted into a
-  persistent buffer: autograd adopts it as ``param.grad`` (no copy), and it is written
-  again only once nothing but the cache holds it (after ``zero_grad()``), so a gradient
-  the user kept is never overwritten.
+  the inference copy, which the next update makes stale) instead of a fresh allocation; a
+  buffer still referenced by a live autograd graph (two forwards before one backward) is
+  never overwritten, a new one is made. The cast's backward hands the master an fp32
+  gradient, a fresh tensor as autograd's own would be.
+
+Gradients are not kept in buffers between steps: such a buffer is live at a step's peak
+(the end of forward, or a loss over a large vocabulary), where autocast holds no gradient
+at all. Measured with benchmarks/real_models.py (docs/performance.md), fresh gradients
+made O2 training no slower and its peak lower: 360 against 388 MiB on HF ResNet-50, 1412
+against 1489 MiB on GPT-2 small.
 
 Linear layers whose weight is cast for them alone call :meth:`WeightCache.amp_linear`: the
-cast, the linear and the conversion of its weight gradient in one autograd function, which
-writes the gradient block by block into the master's gradient buffer, so a training step
-allocates no weight-sized tensor (fresh large allocations cost page faults on CPU). A large
-weight is also cast block by block, in forward and again in backward, so no whole
-low-precision copy of it is kept: an O2 step then needs less memory than autocast, which
-keeps its casts from forward until backward.
+cast, the linear and the conversion of its weight gradient in one autograd function. A
+weight above ``BLOCKED_NUMEL`` elements is cast block by block, in forward and again in
+backward, so no whole low-precision copy of it is kept, at some cost in speed.
 
 Weights changed through ``.data`` bypass version counters: call
 ``AmpModule.clear_weight_cache()`` after such an update.
@@ -40,25 +40,18 @@ def _storage_refs(t: torch.Tensor) -> int:
 
 
 class _CastInto(torch.autograd.Function):
-    """``buffer <- param`` as a differentiable cast; backward converts the gradient into a
-    free persistent buffer of the param's dtype."""
+    """``buffer <- param`` as a differentiable cast; backward converts the gradient to the
+    param's dtype."""
 
     @staticmethod
-    def forward(ctx: Any, param: torch.Tensor, buffer: torch.Tensor, cache: WeightCache
-                ) -> torch.Tensor:
-        ctx.param_ref = weakref.ref(param)
-        ctx.cache = cache
-        cache.expect_grad(param, ctx)
+    def forward(ctx: Any, param: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+        ctx.dtype = param.dtype
         buffer.copy_(param)
         return buffer.view_as(buffer)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
-        param = ctx.param_ref()
-        if param is None or grad.shape != param.shape or grad.layout != torch.strided:
-            return grad.to(torch.float32 if param is None else param.dtype), None, None
-        # a fresh view: autograd may adopt it as param.grad without copying
-        return ctx.cache.grad_buffer(param, ctx).copy_(grad), None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad.to(ctx.dtype), None
 
 
 class _Linear(torch.autograd.Function):
@@ -67,17 +60,13 @@ class _Linear(torch.autograd.Function):
 
     A weight of at most ``BLOCKED_NUMEL`` elements is cast into its persistent working copy,
     which ``aten.linear`` uses and backward keeps. A larger one never exists in the low
-    dtype as a whole (what an O2 step would otherwise keep beyond autocast's peak): forward
-    casts it block of rows by block of rows into a small pooled scratch, each block feeding
-    the columns of the output it makes; backward saves the fp32 master itself (so autograd
-    checks it is unchanged, as for an fp32 linear) and casts it again, block of columns by
-    block of columns, for ``grad_out @ w``. The values are the same as ``aten.linear`` on the
-    whole cast weight: every output element is one full-length dot product either way.
-
-    Backward computes ``grad_out.T @ input`` in the low dtype, as aten's linear backward
-    does, but block of rows by block of rows into a small reused scratch that is converted
-    straight into the master's gradient buffer: a step allocates no weight-sized tensor
-    (fresh large allocations cost page faults on CPU) and the conversion reads from cache.
+    dtype as a whole: forward casts it block of rows by block of rows into a small pooled
+    scratch, each block feeding the columns of the output it makes; backward saves the fp32
+    master itself (so autograd checks it is unchanged, as for an fp32 linear) and casts it
+    again, block of columns by block of columns, for ``grad_out @ w``, and computes
+    ``grad_out.T @ input`` block of rows by block of rows into the scratch, each block
+    converted straight into the fp32 gradient. The values are those of ``aten.linear`` on
+    the whole cast weight up to the kernels' summation order.
     """
 
     @staticmethod
@@ -85,12 +74,9 @@ class _Linear(torch.autograd.Function):
                 cache: WeightCache) -> torch.Tensor:
         cast_bias = b is not None and b.dtype != x.dtype  # an fp32 master bias: cast here too
         bl = cache._buffer(b, ("train", x.dtype), x.dtype).copy_(b) if cast_bias else b
-        ctx.refs = (weakref.ref(w), weakref.ref(b) if cast_bias else None)
+        ctx.bias_dtype = b.dtype if b is not None else None
+        ctx.w_dtype = w.dtype
         ctx.cache = cache
-        cache.expect_grad(w, ctx)
-        if cast_bias:
-            cache.expect_grad(b, ctx)
-        ctx.has_bias = b is not None
         ctx.blocked = _blockable(x, w)
         if ctx.blocked:
             cache.drop_inference_copy(w, x.dtype)
@@ -106,54 +92,20 @@ class _Linear(torch.autograd.Function):
         need_x, need_w, need_b, _ = ctx.needs_input_grad
         gx = gw = gb = None
         grad2 = grad.reshape(-1, grad.shape[-1])
+        x2 = x.reshape(-1, x.shape[-1])
         if need_x:
             if ctx.blocked:  # wl is the fp32 master
                 gx = ctx.cache.blocked_grad_input(grad2, wl).view(*grad.shape[:-1], -1)
             else:
                 gx = grad.matmul(wl)
-        w_ref, b_ref = ctx.refs
         if need_w:
-            gw = ctx.cache.linear_weight_grad(w_ref(), grad2, x.reshape(-1, x.shape[-1]), ctx)
-        if need_b and ctx.has_bias:
-            gb = grad2.sum(0)  # in the low dtype, as aten's linear backward
-            b = b_ref() if b_ref is not None else None
-            if b is not None:
-                gb = ctx.cache.grad_buffer(b, ctx).copy_(gb)
-            elif b_ref is not None:
-                gb = gb.float()
+            if ctx.blocked:
+                gw = ctx.cache.blocked_weight_grad(grad2, x2, ctx.w_dtype)
+            else:
+                gw = grad2.t().mm(x2).to(ctx.w_dtype)
+        if need_b and ctx.bias_dtype is not None:
+            gb = grad2.sum(0).to(ctx.bias_dtype)  # summed in the low dtype, as aten's
         return gx, gw, gb, None
-
-
-class _Embedding(torch.autograd.Function):
-    """``aten.embedding(w, ids, padding_idx)`` whose backward sums the rows' gradients into
-    ``w``'s persistent gradient buffer (zeroed first) instead of a fresh table-sized tensor
-    (``index_add_``, as aten's CPU embedding backward: the same sums in the same order)."""
-
-    @staticmethod
-    def forward(ctx: Any, w: torch.Tensor, ids: torch.Tensor, padding_idx: int,
-                cache: WeightCache) -> torch.Tensor:
-        ctx.save_for_backward(ids)
-        ctx.w_ref = weakref.ref(w)
-        ctx.padding_idx = padding_idx
-        ctx.cache = cache
-        cache.expect_grad(w, ctx)
-        ctx.table = (w.shape, w.dtype)
-        return torch.ops.aten.embedding.default(w, ids, padding_idx)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        (ids,) = ctx.saved_tensors
-        w = ctx.w_ref()
-        shape, dtype = ctx.table
-        flat = ids.reshape(-1)
-        rows = grad.reshape(-1, grad.shape[-1])
-        if ctx.padding_idx >= 0:  # the padding row gets no gradient
-            rows = rows.masked_fill((flat == ctx.padding_idx).unsqueeze(1), 0)
-        if w is not None and w.shape == shape and w.layout == torch.strided:
-            out = ctx.cache.grad_buffer(w, ctx).zero_()
-        else:
-            out = torch.zeros(shape, dtype=dtype, device=grad.device)
-        return out.index_add_(0, flat, rows.to(dtype)), None, None, None
 
 
 def _blockable(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -165,12 +117,13 @@ def _blockable(x: torch.Tensor, w: torch.Tensor) -> bool:
             and w.device.type == "cpu" and x.device.type == "cpu")
 
 
-# Weights above BLOCKED_NUMEL elements are cast, and their gradients computed, in blocks of
-# SCRATCH_NUMEL elements. Below it one whole product is faster (ViT-B/16's 768x3072 linears
-# in 1M-element blocks made O2 training 0.92x autocast, whole 1.03x; 962 vs 858 MiB peak,
-# still under autocast's 1062), and the whole low-precision copy costs no more than
-# autocast's, which it keeps from forward until backward.
-BLOCKED_NUMEL = 1 << 23
+# Weights above BLOCKED_NUMEL elements (a 128k-token LLM head, whose bf16 copy alone is
+# ~1 GiB) are cast, and their gradients computed, in blocks of SCRATCH_NUMEL elements.
+# Below it one whole product is much faster: GPT-2's 50257x768 head blocked in 1M-element
+# blocks took 141 ms for grad_out @ w against 44 ms for a whole cast and product, and made
+# O2 training 0.93x autocast (1.14x whole), while the whole working copy costs no more
+# than autocast's, which keeps its casts from forward until backward.
+BLOCKED_NUMEL = 1 << 26
 SCRATCH_NUMEL = 1 << 20  # elements of low-precision weight gradient computed per block
 MAX_SCRATCH = 4  # pooled scratches per shape (threads running backward at once)
 
@@ -183,8 +136,6 @@ class WeightCache:
         self._slots: dict[int, tuple[weakref.ref, dict]] = {}
         self._lock = threading.RLock()  # GC callbacks may fire while it is held
         self._scratch: dict[tuple, list[tuple[torch.Tensor, int]]] = {}
-        # id(param) -> backward nodes (autograd ctxs) still to produce a gradient for it
-        self._pending: dict[int, weakref.WeakSet] = {}
 
     def _per_param(self, p: torch.Tensor) -> dict:
         ref, per = self._slots.get(id(p), (None, None))
@@ -198,7 +149,6 @@ class WeightCache:
             with self._lock:
                 if self._slots.get(key, (None,))[0] is ref:
                     del self._slots[key]
-                    self._pending.pop(key, None)
         return drop
 
     def cast(self, p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -206,7 +156,7 @@ class WeightCache:
         if p.dtype == dtype:
             return p
         if torch.is_grad_enabled() and p.requires_grad:
-            return _CastInto.apply(p, self._buffer(p, ("train", dtype), dtype), self)
+            return _CastInto.apply(p, self._buffer(p, ("train", dtype), dtype))
         key = (p._version, p.data_ptr(), p.device, tuple(p.shape))
         with self._lock:
             per = self._per_param(p)
@@ -224,16 +174,6 @@ class WeightCache:
             return _Linear.apply(x, w, b, self)
         b = self.cast(b, x.dtype) if b is not None else None
         return torch.ops.aten.linear.default(x, self.cast(w, x.dtype), b)
-
-    def amp_embedding(self, w: torch.Tensor, ids: torch.Tensor, padding_idx: int = -1
-                      ) -> torch.Tensor:
-        """``aten.embedding(w, ids, padding_idx)``; when training on CPU, the table's
-        gradient goes into its persistent buffer (see :class:`_Embedding`): a fresh
-        table-sized tensor every step costs page faults there."""
-        if torch.is_grad_enabled() and w.requires_grad and w.device.type == "cpu" \
-                and w.dim() == 2:
-            return _Embedding.apply(w, ids, padding_idx, self)
-        return torch.ops.aten.embedding.default(w, ids, padding_idx)
 
     def blocked_linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
                        ) -> torch.Tensor:
@@ -265,19 +205,15 @@ class WeightCache:
             n = min(step, size - start)
             yield start, n, scratch.narrow(dim, 0, n).copy_(w.narrow(dim, start, n))
 
-    def linear_weight_grad(self, w: torch.Tensor | None, grad: torch.Tensor,
-                           x: torch.Tensor, ctx: Any = None) -> torch.Tensor:
-        """``(grad.T @ x).to(w.dtype)`` into ``w``'s gradient buffer, in row blocks."""
+    def blocked_weight_grad(self, grad: torch.Tensor, x: torch.Tensor, dtype: torch.dtype
+                            ) -> torch.Tensor:
+        """``(grad.T @ x).to(dtype)``, a block of rows at a time through a pooled scratch:
+        no whole low-precision gradient is made."""
         rows = grad.shape[1]
-        if w is None or w.shape != (rows, x.shape[1]) or w.layout != torch.strided:
-            return grad.t().mm(x).to(torch.float32 if w is None else w.dtype)
-        out = self.grad_buffer(w, ctx)
-        gt = grad.t()
-        if w.numel() <= BLOCKED_NUMEL or w.device.type != "cpu":
-            # one product: small, or a GPU, whose caching allocator recycles it
-            return out.copy_(gt.mm(x))
+        out = torch.empty(rows, x.shape[1], dtype=dtype, device=grad.device)
         step = max(1, SCRATCH_NUMEL // max(1, x.shape[1]))
         scratch = self._pooled((step, x.shape[1]), grad.dtype, grad.device)
+        gt = grad.t()
         for r in range(0, rows, step):
             n = min(step, rows - r)
             block = scratch[:n]
@@ -299,32 +235,6 @@ class WeightCache:
             if len(pool) < MAX_SCRATCH:
                 pool.append((buf, _storage_refs(buf)))
             return buf.view_as(buf)
-
-    def expect_grad(self, p: torch.Tensor, ctx: Any) -> None:
-        """Note that the backward of ``ctx`` (an autograd ctx) will produce a gradient for
-        ``p``; forgotten when ``ctx`` is (its graph freed without a backward)."""
-        with self._lock:
-            self._per_param(p)  # registers the cleanup when p dies
-            self._pending.setdefault(id(p), weakref.WeakSet()).add(ctx)
-
-    def grad_buffer(self, p: torch.Tensor, ctx: Any = None) -> torch.Tensor:
-        """A view of a persistent buffer for ``p``'s gradient that nothing else holds.
-
-        When another gradient for ``p`` is still to come (a weight used twice, as tied input
-        and output embeddings are; backward ``ctx`` is done with ``p`` once this returns),
-        the first ones get fresh tensors: autograd sums a weight's gradients in place only
-        into the first that arrives and only if nothing else holds it, so the persistent
-        buffer goes to the last. Two cache-held buffers would cost a third, summed tensor.
-        """
-        with self._lock:
-            pending = self._pending.get(id(p))
-            if pending is not None and ctx is not None:
-                pending.discard(ctx)
-                if len(pending):
-                    with torch.inference_mode(False):
-                        return torch.empty_strided(p.shape, p.stride(), dtype=p.dtype,
-                                                   device=p.device)
-            return self._buffer(p, ("grad", p.dtype), p.dtype)
 
     def _buffer(self, p: torch.Tensor, key: tuple, dtype: torch.dtype) -> torch.Tensor:
         """A view of the buffer stored under ``key`` if no tensor outside the cache shares its
@@ -355,7 +265,6 @@ class WeightCache:
         with self._lock:
             self._slots = {}
             self._scratch = {}
-            self._pending = {}
 
     def train_copies(self) -> list[torch.Tensor]:
         """The persistent low-precision working copies that training casts write into."""

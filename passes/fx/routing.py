@@ -3,8 +3,8 @@
 - :func:`route_weight_casts`: parameter casts call a cached cast (a persistent
   low-precision working copy, refreshed only when the fp32 master weight changes).
 - :func:`route_linears`: a linear casts its own weight and converts its weight gradient.
-- :func:`route_embeddings`, :func:`route_attention`: lookups and attention call the
-  runtime's implementation, which picks where gradients go or which kernel runs.
+- :func:`route_attention`: attention calls the runtime's implementation, which picks the
+  kernel for the shapes it meets.
 
 Each replaces matching nodes by a caller-supplied callable; the numbers are the runtime's
 to keep (the cast still happens, inside the callable, and stays counted).
@@ -20,8 +20,6 @@ from torch import fx
 
 from passes._infra import PassResult
 from passes.fx.dtypes import CAST, dtype_of, is_amp_cast
-from passes.fx.fusions import GATHERS
-from passes.fx.graph import tensors
 from passes.policy import LOW
 
 aten = torch.ops.aten
@@ -87,30 +85,6 @@ def route_linears(gm: fx.GraphModule, linear_fn: Callable[..., Any], low: torch.
         node.meta["amp_orig_op"] = "aten.linear"
         node.meta["amp_reason"] = (f"{node.meta.get('amp_reason', '')}; its weight cast and "
                                    "the conversion of its weight gradient are fused into it")
-        modified = True
-    return PassResult(gm, modified)
-
-
-def route_embeddings(gm: fx.GraphModule, embedding_fn: Callable[..., Any]) -> PassResult:
-    """Replace ``aten.embedding(W, ids, padding_idx)`` on a float parameter ``W`` by
-    ``embedding_fn(W, ids, padding_idx)`` (the runtime's choice of where the table's
-    gradient goes). Lookups that scale gradients by frequency or want sparse gradients are
-    left alone.
-
-    Example:
-        >>> route_embeddings(gm, cache.amp_embedding)
-    """
-    modified = False
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target not in GATHERS or node.kwargs \
-                or any(node.args[3:]) or node.args[0].op != "get_attr":
-            continue
-        table = tensors(node.args[0].meta.get("val"))
-        if len(table) != 1 or not table[0].is_floating_point():
-            continue
-        node.target = embedding_fn
-        node.args = node.args[:3]
-        node.meta["amp_orig_op"] = "aten.embedding"
         modified = True
     return PassResult(gm, modified)
 

@@ -280,29 +280,11 @@ def test_unrebuildable_outputs_run_eagerly_instead_of_returning_stale_objects():
     torch.testing.assert_close(out.value, model.fc(x), rtol=2e-2, atol=2e-2)
 
 
-def test_training_gradients_land_in_reused_buffers_and_kept_ones_are_never_overwritten():
+def test_gradients_accumulate_over_backwards_as_autograd_s_own():
     torch.manual_seed(0)
     model = Tiny()
     net = ampgraph.compile(model, "O2", "bf16")
     x = torch.randn(3, 8)
-    w = model.fc1.weight
-
-    def grad_ptr() -> int:
-        net(x).square().sum().backward()
-        buffer = net._amp_weights._slots[id(w)][1][("grad", torch.float32)][0]
-        assert w.grad.data_ptr() == buffer.data_ptr(), "the gradient is the cache's buffer"
-        return w.grad.data_ptr()
-
-    first = grad_ptr()
-    kept = w.grad.clone()
-    held = w.grad
-    w.grad = None
-    assert grad_ptr() != first, "a gradient the user holds is not overwritten"
-    torch.testing.assert_close(held, kept, rtol=0, atol=0)
-    del held
-    w.grad = None
-    steady = {grad_ptr() for _ in range(3) if not setattr(w, "grad", None)}
-    assert len(steady) == 1, "after zero_grad the same gradient buffer is reused"
     # accumulation without zero_grad: g + g + g rounds exactly like 3 * g
     model.zero_grad(set_to_none=True)
     net(x).square().sum().backward()

@@ -1,5 +1,5 @@
-"""Linear layers with the weight cast fused in: gradients computed block by block into the
-master's gradient buffer through a small pooled scratch."""
+"""Linear layers with the weight cast fused in; large ones cast, and their gradients
+computed, block by block through a small pooled scratch."""
 
 from __future__ import annotations
 
@@ -29,8 +29,7 @@ def compiled(model, x, fused):
     gm = torch.export.export(model, (x,), strict=False).module()
     cache = WeightCache()
     run_amp_passes(gm, make_policy("O2"), torch.bfloat16, weight_cast=cache.cast,
-                   linear=cache.amp_linear if fused else None,
-                   embedding=cache.amp_embedding if fused else None)
+                   linear=cache.amp_linear if fused else None)
     return gm, cache
 
 
@@ -69,11 +68,10 @@ def test_routed_linears_give_the_same_outputs_and_gradients_as_aten_linear(block
                 "a blocked weight has no whole working copy"
 
 
-def test_gradient_buffers_and_scratch_are_reused_across_steps(monkeypatch):
+def test_working_copies_and_scratch_are_reused_across_steps(monkeypatch):
     import ampgraph.runtime.weights as weights
 
-    monkeypatch.setattr(weights, "SCRATCH_NUMEL", 64)
-
+    monkeypatch.setattr(weights, "SCRATCH_NUMEL", 64)  # fc1 and fc3 blocked, fc2 cast whole
     monkeypatch.setattr(weights, "BLOCKED_NUMEL", 64)
     torch.manual_seed(0)
     model = Net()
@@ -85,9 +83,10 @@ def test_gradient_buffers_and_scratch_are_reused_across_steps(monkeypatch):
         opt.zero_grad(set_to_none=True)
         gm(x).square().mean().backward()
         opt.step()
-        seen.append(([p.grad.data_ptr() for p in model.parameters()],
-                     {k: [b.data_ptr() for b, _ in pool] for k, pool in cache._scratch.items()}))
-    assert seen[1] == seen[2] == seen[3], "steady state: no new gradient or scratch buffers"
+        seen.append(({k: [b.data_ptr() for b, _ in pool] for k, pool in cache._scratch.items()},
+                     sorted(t.data_ptr() for t in cache.train_copies())))
+    assert seen[1] == seen[2] == seen[3], "steady state: no new working copies or scratch"
+    assert seen[3][1], "fc2's weight has a working copy"
     assert all(len(pool) == 1 for pool in cache._scratch.values())
 
 
@@ -137,7 +136,7 @@ def test_a_large_linear_keeps_no_whole_low_precision_copy_of_its_weight(monkeypa
         for step in range(3):
             if step == 2:
                 t_last = time.time_ns()
-            model.zero_grad(set_to_none=True)  # the cache keeps the gradient buffers
+            model.zero_grad(set_to_none=True)
             gm(x).square().mean().backward()
     live = peak = 0
     for t, n in sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
@@ -170,49 +169,6 @@ def test_training_drops_the_inference_copies(monkeypatch):
     assert "infer" not in kinds()
 
 
-class Tokens(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(50, 16, padding_idx=3)
-        self.pos = nn.Embedding(8, 16)
-        self.fc = nn.Linear(16, 4)
-
-    def forward(self, ids):
-        return self.fc(self.emb(ids) + self.pos.weight[: ids.shape[1]])
-
-
-def test_embedding_gradients_go_into_persistent_buffers_with_the_same_sums():
-    torch.manual_seed(0)
-    model = Tokens()
-    ids = torch.randint(0, 12, (4, 8))  # repeated rows and the padding row
-    ids[0, :3] = 3
-    gm, cache = compiled(model, ids, True)
-    plain, _ = compiled(copy.deepcopy(model), ids, False)
-    (emb,) = [n for n in gm.graph.nodes if n.target == cache.amp_embedding]
-    assert emb.meta["amp_orig_op"] == "aten.embedding" and emb.args[0].target == "emb.weight"
-    ptrs = []
-    for _ in range(3):
-        model.zero_grad(set_to_none=True)
-        plain.zero_grad(set_to_none=True)
-        out_a, out_b = gm(ids), plain(ids)
-        torch.testing.assert_close(out_a, out_b, rtol=0, atol=0)
-        out_a.square().sum().backward()
-        out_b.square().sum().backward()
-        g, ref = model.emb.weight.grad, dict(plain.named_parameters())["emb.weight"].grad
-        assert torch.equal(g, ref), "index_add_ makes aten's sums in aten's order"
-        assert not g[3].any(), "the padding row gets no gradient"
-        ptrs.append(g.data_ptr())
-        del g, ref  # held here, the buffer could not be reused
-    assert ptrs[1] == ptrs[2], "steady state: the same buffer every step"
-    kept = model.emb.weight.grad  # a gradient the user keeps is not overwritten
-    model.emb.weight.grad = None
-    before = kept.clone()
-    gm(ids).square().sum().backward()
-    assert torch.equal(kept, before) and model.emb.weight.grad.data_ptr() != kept.data_ptr()
-    with torch.no_grad():  # inference: the plain lookup
-        torch.testing.assert_close(gm(ids), plain(ids), rtol=0, atol=0)
-
-
 class TiedHead(nn.Module):
     """Input and output embeddings sharing one table, as GPT-2's and BERT's do."""
 
@@ -228,14 +184,14 @@ class TiedHead(nn.Module):
 
 def test_a_tied_weight_sums_its_two_gradients_in_place():
     """The head's gradient arrives first: it must be a tensor nothing else holds, so that
-    autograd adds the embedding's into it in place; a cache-held buffer there costs an
-    out-of-place, table-sized add every step."""
+    autograd adds the embedding's into it in place (a buffer the cache kept there would
+    cost an out-of-place, table-sized add every step)."""
     torch.manual_seed(0)
     model, ids = TiedHead(), torch.randint(0, 50, (4, 8))
     gm, cache = compiled(model, ids, True)
     plain, _ = compiled(copy.deepcopy(model), ids, False)
     targets = [n.target for n in gm.graph.nodes]
-    assert cache.amp_linear in targets and cache.amp_embedding in targets
+    assert cache.amp_linear in targets
     shape = list(model.emb.weight.shape)
     for _ in range(3):
         model.zero_grad(set_to_none=True)
@@ -248,15 +204,3 @@ def test_a_tied_weight_sums_its_two_gradients_in_place():
         plain(ids).float().square().sum().backward()
         ref = dict(plain.named_parameters())["emb.weight"].grad
         torch.testing.assert_close(model.emb.weight.grad, ref, rtol=0, atol=0)
-
-
-@pytest.mark.parametrize("kwargs", [dict(scale_grad_by_freq=True), dict(sparse=True)])
-def test_embeddings_wanting_special_gradients_keep_aten(kwargs):
-    model = nn.Sequential(nn.Embedding(20, 8, **kwargs), nn.Linear(8, 2))
-    ids = torch.randint(0, 20, (2, 5))
-    gm, cache = compiled(model, ids, True)
-    targets = [n.target for n in gm.graph.nodes]
-    assert cache.amp_embedding not in targets and aten_embedding in targets
-
-
-aten_embedding = torch.ops.aten.embedding.default
