@@ -71,13 +71,17 @@ class _Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
-                cache: WeightCache) -> torch.Tensor:
+                cache: WeightCache, shared: bool) -> torch.Tensor:
         cast_bias = b is not None and b.dtype != x.dtype  # an fp32 master bias: cast here too
         bl = cache._buffer(b, ("train", x.dtype), x.dtype).copy_(b) if cast_bias else b
         ctx.bias_dtype = b.dtype if b is not None else None
         ctx.w_dtype = w.dtype
         ctx.cache = cache
         ctx.blocked = _blockable(x, w)
+        # a large weight's gradient goes into a buffer kept between steps, unless another
+        # node also uses the weight (autograd sums tied gradients in place only into a
+        # tensor nothing else holds)
+        ctx.w_ref = weakref.ref(w) if ctx.blocked and not shared else None
         if ctx.blocked:
             cache.drop_inference_copy(w, x.dtype)
             ctx.save_for_backward(x, w)
@@ -89,7 +93,7 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         x, wl = ctx.saved_tensors
-        need_x, need_w, need_b, _ = ctx.needs_input_grad
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
         gx = gw = gb = None
         grad2 = grad.reshape(-1, grad.shape[-1])
         x2 = x.reshape(-1, x.shape[-1])
@@ -100,19 +104,21 @@ class _Linear(torch.autograd.Function):
                 gx = grad.matmul(wl)
         if need_w:
             if ctx.blocked:
-                gw = ctx.cache.blocked_weight_grad(grad2, x2, ctx.w_dtype)
+                w = ctx.w_ref() if ctx.w_ref is not None else None
+                out = ctx.cache.grad_buffer(w) if w is not None else None
+                gw = ctx.cache.blocked_weight_grad(grad2, x2, ctx.w_dtype, out)
             else:
                 gw = grad2.t().mm(x2).to(ctx.w_dtype)
         if need_b and ctx.bias_dtype is not None:
             gb = grad2.sum(0).to(ctx.bias_dtype)  # summed in the low dtype, as aten's
-        return gx, gw, gb, None
+        return gx, gw, gb, None, None
 
 
 def _blockable(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether :class:`_Linear` runs ``w`` in blocks: a large plain 2-D weight, an input
     with a batch dimension, both on the CPU (where fresh or extra weight-sized memory costs
     page faults; a GPU runs one large product faster than many small ones)."""
-    return (w.numel() > BLOCKED_NUMEL and w.dim() == 2 and x.dim() >= 2
+    return (w.numel() >= BLOCKED_NUMEL and w.dim() == 2 and x.dim() >= 2
             and w.layout == torch.strided and x.layout == torch.strided
             and w.device.type == "cpu" and x.device.type == "cpu")
 
@@ -123,7 +129,7 @@ def _blockable(x: torch.Tensor, w: torch.Tensor) -> bool:
 # blocks took 141 ms for grad_out @ w against 44 ms for a whole cast and product, and made
 # O2 training 0.93x autocast (1.14x whole), while the whole working copy costs no more
 # than autocast's, which keeps its casts from forward until backward.
-BLOCKED_NUMEL = 1 << 26
+BLOCKED_NUMEL = 1 << 24
 SCRATCH_NUMEL = 1 << 20  # elements of low-precision weight gradient computed per block
 MAX_SCRATCH = 4  # pooled scratches per shape (threads running backward at once)
 
@@ -166,12 +172,13 @@ class WeightCache:
                     entry = per[("infer", dtype)] = (key, p.detach().to(dtype))
             return entry[1]
 
-    def amp_linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
-                   ) -> torch.Tensor:
+    def amp_linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
+                   shared: bool = False) -> torch.Tensor:
         """``aten.linear(x, w.to(x.dtype), b)`` for an fp32 master weight ``w`` (see
-        :class:`_Linear`); without gradients, the inference working copy is used."""
+        :class:`_Linear`; ``shared``: other nodes use ``w`` too); without gradients, the
+        inference working copy is used."""
         if torch.is_grad_enabled() and w.requires_grad:
-            return _Linear.apply(x, w, b, self)
+            return _Linear.apply(x, w, b, self, shared)
         b = self.cast(b, x.dtype) if b is not None else None
         return torch.ops.aten.linear.default(x, self.cast(w, x.dtype), b)
 
@@ -190,27 +197,32 @@ class WeightCache:
     def blocked_grad_input(self, grad: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """``grad @ w.to(grad.dtype)`` casting ``w`` a block of columns at a time."""
         out = torch.empty(grad.shape[0], w.shape[1], dtype=grad.dtype, device=grad.device)
-        for c, n, block in self._cast_blocks(w, 1, grad.dtype):
+        # each block is one pass over grad: a quarter of the columns at least (GPT-2's
+        # 50257x768 head in 20-column blocks took 141 ms, in 166-column ones 58)
+        wide = max(SCRATCH_NUMEL, -(-w.numel() // 4))
+        for c, n, block in self._cast_blocks(w, 1, grad.dtype, wide):
             torch.mm(grad, block, out=out[:, c:c + n])
         return out
 
-    def _cast_blocks(self, w: torch.Tensor, dim: int, dtype: torch.dtype):
+    def _cast_blocks(self, w: torch.Tensor, dim: int, dtype: torch.dtype,
+                     numel: int = 0):
         """Yield ``(start, n, block)``: the 2-D ``w`` cast to ``dtype`` ``n`` rows (``dim``
         0) or columns (``dim`` 1) at a time into a pooled scratch of at most
-        ``SCRATCH_NUMEL`` elements (a column block keeps the scratch's row stride)."""
+        ``numel or SCRATCH_NUMEL`` elements (a column block keeps the scratch's row stride)."""
         size, other = w.shape[dim], w.shape[1 - dim]
-        step = max(1, SCRATCH_NUMEL // other)
+        step = min(size, max(1, (numel or SCRATCH_NUMEL) // other))
         scratch = self._pooled((step, other) if dim == 0 else (other, step), dtype, w.device)
         for start in range(0, size, step):
             n = min(step, size - start)
             yield start, n, scratch.narrow(dim, 0, n).copy_(w.narrow(dim, start, n))
 
-    def blocked_weight_grad(self, grad: torch.Tensor, x: torch.Tensor, dtype: torch.dtype
-                            ) -> torch.Tensor:
-        """``(grad.T @ x).to(dtype)``, a block of rows at a time through a pooled scratch:
-        no whole low-precision gradient is made."""
+    def blocked_weight_grad(self, grad: torch.Tensor, x: torch.Tensor, dtype: torch.dtype,
+                            out: torch.Tensor | None = None) -> torch.Tensor:
+        """``(grad.T @ x).to(dtype)`` into ``out`` (or a new tensor), a block of rows at a
+        time through a pooled scratch: no whole low-precision gradient is made."""
         rows = grad.shape[1]
-        out = torch.empty(rows, x.shape[1], dtype=dtype, device=grad.device)
+        if out is None:
+            out = torch.empty(rows, x.shape[1], dtype=dtype, device=grad.device)
         step = max(1, SCRATCH_NUMEL // max(1, x.shape[1]))
         scratch = self._pooled((step, x.shape[1]), grad.dtype, grad.device)
         gt = grad.t()
@@ -235,6 +247,12 @@ class WeightCache:
             if len(pool) < MAX_SCRATCH:
                 pool.append((buf, _storage_refs(buf)))
             return buf.view_as(buf)
+
+    def grad_buffer(self, p: torch.Tensor) -> torch.Tensor:
+        """A view of a buffer for ``p``'s gradient, kept between steps, that nothing else
+        holds (autograd adopts it as ``p.grad`` without a copy; a gradient the user kept is
+        never overwritten: a new buffer is made)."""
+        return self._buffer(p, ("grad", p.dtype), p.dtype)
 
     def _buffer(self, p: torch.Tensor, key: tuple, dtype: torch.dtype) -> torch.Tensor:
         """A view of the buffer stored under ``key`` if no tensor outside the cache shares its

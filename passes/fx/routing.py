@@ -60,9 +60,17 @@ def route_linears(gm: fx.GraphModule, linear_fn: Callable[..., Any], low: torch.
     gradient into the linear. Run after ``route_weight_casts``; the cast still happens (it
     stays counted), inside ``linear_fn``.
 
+    A weight that other nodes use too (tied input and output embeddings) is passed with
+    ``shared=True``: its gradient is summed from several places.
+
     Example:
         >>> route_linears(gm, cache.amp_linear, torch.bfloat16)
     """
+    uses: dict[int, int] = {}  # id(parameter) -> users of get_attr nodes reading it
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            key = id(_attr(gm, node.target))
+            uses[key] = uses.get(key, 0) + len(node.users)
     modified = False
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not aten.linear.default \
@@ -74,6 +82,8 @@ def route_linears(gm: fx.GraphModule, linear_fn: Callable[..., Any], low: torch.
             continue
         node.target = linear_fn
         node.args = (x, w.args[0], *node.args[2:])
+        if uses.get(id(_attr(gm, w.args[0].target)), 0) > 1:
+            node.kwargs = {"shared": True}
         node.meta["amp_fused_weight_cast"] = low
         gm.graph.erase_node(w)
         b = node.args[2] if len(node.args) > 2 else None
@@ -90,6 +100,13 @@ def route_linears(gm: fx.GraphModule, linear_fn: Callable[..., Any], low: torch.
 
 
 ATTENTION = aten.scaled_dot_product_attention.default
+
+
+def _attr(gm: fx.GraphModule, target: str) -> object:
+    obj: object = gm
+    for name in target.split("."):
+        obj = getattr(obj, name)
+    return obj
 
 
 def route_attention(gm: fx.GraphModule, attention_fn: Callable[..., Any], low: torch.dtype
