@@ -11,16 +11,18 @@ The graph's parameter casts call :meth:`WeightCache.cast` instead of ``aten._to_
   never overwritten, a new one is made. The cast's backward hands the master an fp32
   gradient, a fresh tensor as autograd's own would be.
 
-Gradients are not kept in buffers between steps: such a buffer is live at a step's peak
-(the end of forward, or a loss over a large vocabulary), where autocast holds no gradient
-at all. Measured with benchmarks/real_models.py (docs/performance.md), fresh gradients
-made O2 training no slower and its peak lower: 360 against 388 MiB on HF ResNet-50, 1412
-against 1489 MiB on GPT-2 small.
-
 Linear layers whose weight is cast for them alone call :meth:`WeightCache.amp_linear`: the
 cast, the linear and the conversion of its weight gradient in one autograd function. A
-weight above ``BLOCKED_NUMEL`` elements is cast block by block, in forward and again in
-backward, so no whole low-precision copy of it is kept, at some cost in speed.
+weight of ``BLOCKED_NUMEL`` elements or more is cast block by block, in forward and again
+in backward, so no whole low-precision copy of it is kept, and unless other nodes use it
+too (tied embeddings) its gradient goes into a buffer kept between steps (a fresh one of
+64 MiB or more faults its pages in every step on CPU).
+
+Other gradients are fresh tensors, as autograd's own: a buffer kept between steps is live
+at a step's peak (the end of forward, or a loss over a large vocabulary), where autocast
+holds no gradient at all. Measured with benchmarks/real_models.py (docs/performance.md):
+O2's peak went 388 -> 360 MiB on HF ResNet-50 and 1489 -> 1358 MiB on GPT-2 small, with
+training no slower.
 
 Weights changed through ``.data`` bypass version counters: call
 ``AmpModule.clear_weight_cache()`` after such an update.
@@ -58,7 +60,7 @@ class _Linear(torch.autograd.Function):
     """``linear(x, low(w_master), low(b_master))`` with the casts and the conversion of the
     gradients fused in (a bias already in ``x``'s dtype is used as it is).
 
-    A weight of at most ``BLOCKED_NUMEL`` elements is cast into its persistent working copy,
+    A weight below ``BLOCKED_NUMEL`` elements is cast into its persistent working copy,
     which ``aten.linear`` uses and backward keeps. A larger one never exists in the low
     dtype as a whole: forward casts it block of rows by block of rows into a small pooled
     scratch, each block feeding the columns of the output it makes; backward saves the fp32
@@ -123,12 +125,11 @@ def _blockable(x: torch.Tensor, w: torch.Tensor) -> bool:
             and w.device.type == "cpu" and x.device.type == "cpu")
 
 
-# Weights above BLOCKED_NUMEL elements (a 128k-token LLM head, whose bf16 copy alone is
-# ~1 GiB) are cast, and their gradients computed, in blocks of SCRATCH_NUMEL elements.
-# Below it one whole product is much faster: GPT-2's 50257x768 head blocked in 1M-element
-# blocks took 141 ms for grad_out @ w against 44 ms for a whole cast and product, and made
-# O2 training 0.93x autocast (1.14x whole), while the whole working copy costs no more
-# than autocast's, which keeps its casts from forward until backward.
+# Weights of BLOCKED_NUMEL elements or more (64 MiB of fp32 gradient) are cast, and their
+# gradients computed, in blocks. Below it one whole product is faster and its working copy
+# costs no more than autocast's cast, which autocast keeps from forward until backward:
+# with blocking from 8M elements, GPT-2's 50257x768 head took 141 ms for grad_out @ w in
+# 1M-element blocks against 44 ms whole, and LLaMA-style training ran 0.92x autocast.
 BLOCKED_NUMEL = 1 << 24
 SCRATCH_NUMEL = 1 << 20  # elements of low-precision weight gradient computed per block
 MAX_SCRATCH = 4  # pooled scratches per shape (threads running backward at once)

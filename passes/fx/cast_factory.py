@@ -17,7 +17,7 @@ from torch import fx
 from passes._infra import ConstantRangeWarning, PassError
 from passes.fx._torch_internals import CAN_RELINK, cast_node_name, create_node_hooks, relink
 from passes.fx.dtypes import CAST, _set_dtype, _widening, dtype_of
-from passes.fx.graph import explicit_cast_dtype
+from passes.fx.graph import explicit_cast_dtype, fetch_attr
 
 
 class _Caster:
@@ -43,7 +43,7 @@ class _Caster:
             key = self._attr_keys.get(src)
             if key is None:
                 try:
-                    key = id(_fetch_attr(self.gm, src.target))
+                    key = id(fetch_attr(self.gm, src.target))
                 except AttributeError:
                     key = src
                 self._attr_keys[src] = key
@@ -117,13 +117,6 @@ def _cast_name(graph: fx.Graph) -> str | None:
     """The name candidate create_node derives for a cast ("_to_copy_default"), or None (let
     it derive it). Worked out once; given sanitised, create_node skips a regex rewrite."""
     return cast_node_name(graph, CAST)
-
-
-def _fetch_attr(gm: fx.GraphModule, target: str) -> Any:
-    obj: Any = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def _hoist_anchor(graph: fx.Graph) -> fx.Node:

@@ -326,3 +326,11 @@ def _functional_variant(node: fx.Node) -> Any:
     packet = getattr(torch.ops.aten, name[:-1], None)
     overload = getattr(packet, overload_name(t), None) if packet is not None else None
     return overload
+
+
+def fetch_attr(gm: fx.GraphModule, target: str) -> Any:
+    """What a ``get_attr`` node with ``target`` ("layer.0.weight") reads from ``gm``."""
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj

@@ -20,6 +20,7 @@ from torch import fx
 
 from passes._infra import PassResult
 from passes.fx.dtypes import CAST, dtype_of, is_amp_cast
+from passes.fx.graph import fetch_attr
 from passes.policy import LOW
 
 aten = torch.ops.aten
@@ -69,7 +70,7 @@ def route_linears(gm: fx.GraphModule, linear_fn: Callable[..., Any], low: torch.
     uses: dict[int, int] = {}  # id(parameter) -> users of get_attr nodes reading it
     for node in gm.graph.nodes:
         if node.op == "get_attr":
-            key = id(_attr(gm, node.target))
+            key = id(fetch_attr(gm, node.target))
             uses[key] = uses.get(key, 0) + len(node.users)
     modified = False
     for node in list(gm.graph.nodes):
@@ -82,7 +83,7 @@ def route_linears(gm: fx.GraphModule, linear_fn: Callable[..., Any], low: torch.
             continue
         node.target = linear_fn
         node.args = (x, w.args[0], *node.args[2:])
-        if uses.get(id(_attr(gm, w.args[0].target)), 0) > 1:
+        if uses.get(id(fetch_attr(gm, w.args[0].target)), 0) > 1:
             node.kwargs = {"shared": True}
         node.meta["amp_fused_weight_cast"] = low
         gm.graph.erase_node(w)
@@ -100,13 +101,6 @@ def route_linears(gm: fx.GraphModule, linear_fn: Callable[..., Any], low: torch.
 
 
 ATTENTION = aten.scaled_dot_product_attention.default
-
-
-def _attr(gm: fx.GraphModule, target: str) -> object:
-    obj: object = gm
-    for name in target.split("."):
-        obj = getattr(obj, name)
-    return obj
 
 
 def route_attention(gm: fx.GraphModule, attention_fn: Callable[..., Any], low: torch.dtype
