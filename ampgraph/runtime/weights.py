@@ -5,24 +5,23 @@ The graph's parameter casts call :meth:`WeightCache.cast` instead of ``aten._to_
 - without gradients (inference) a copy is made once and reused until the master changes
   (its version counter, data pointer, device or shape), so repeated inference casts each
   weight once instead of every call;
-- with gradients (training) the cast writes into a persistent buffer per weight (dropping
-  the inference copy, which the next update makes stale) instead of a fresh allocation; a
-  buffer still referenced by a live autograd graph (two forwards before one backward) is
-  never overwritten, a new one is made. The cast's backward hands the master an fp32
-  gradient, a fresh tensor as autograd's own would be.
+- with gradients (training) the cast makes a fresh tensor, as autocast's, placed just
+  before its first use (``route_weight_casts``): it lives from there until backward, so
+  the weights of later layers are not live at a peak in the middle of forward. Its
+  backward hands the master an fp32 gradient with the master's strides (the copy may be
+  channels-last).
 
 Linear layers whose weight is cast for them alone call :meth:`WeightCache.amp_linear`: the
-cast, the linear and the conversion of its weight gradient in one autograd function. A
-weight of ``BLOCKED_NUMEL`` elements or more is cast block by block, in forward and again
-in backward, so no whole low-precision copy of it is kept, and unless other nodes use it
-too (tied embeddings) its gradient goes into a buffer kept between steps (a fresh one of
-64 MiB or more faults its pages in every step on CPU).
-
-Other gradients are fresh tensors, as autograd's own: a buffer kept between steps is live
-at a step's peak (the end of forward, or a loss over a large vocabulary), where autocast
-holds no gradient at all. Measured with benchmarks/real_models.py (docs/performance.md):
-O2's peak went 388 -> 360 MiB on HF ResNet-50 and 1489 -> 1358 MiB on GPT-2 small, with
-training no slower.
+cast, the linear and the conversion of its weight gradient in one autograd function. Its
+working copy is kept between steps when a fresh one could fault its pages in (above
+``KEPT_COPY_BYTES``); a buffer still referenced by a live autograd graph (two forwards
+before one backward) is never overwritten, a new one is made. A weight of
+``BLOCKED_NUMEL`` elements or more is cast block by block, in forward and again in
+backward, so no whole low-precision copy of it exists. The gradient of a weight of
+``KEPT_GRAD_NUMEL`` elements or more goes into a buffer kept between steps while the last
+gradient lives through forward anyway (zero_grad after forward), unless other nodes use
+the weight too (tied embeddings); other gradients are fresh tensors, as autograd's own
+(measured with benchmarks/real_models.py and benchmarks/perf.py: docs/performance.md).
 
 Weights changed through ``.data`` bypass version counters: call
 ``AmpModule.clear_weight_cache()`` after such an update.
@@ -41,27 +40,40 @@ def _storage_refs(t: torch.Tensor) -> int:
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
 
+def _empty(p: torch.Tensor, dtype: torch.dtype, memory_format: torch.memory_format | None
+           ) -> torch.Tensor:
+    """An empty ``dtype`` tensor shaped as ``p``, in ``memory_format`` or, without one, with
+    ``p``'s strides (a channels-last master stays so)."""
+    if memory_format is None:
+        return torch.empty_strided(p.shape, p.stride(), dtype=dtype, device=p.device)
+    return torch.empty(p.shape, dtype=dtype, device=p.device, memory_format=memory_format)
+
+
 class _CastInto(torch.autograd.Function):
     """``buffer <- param`` as a differentiable cast; backward converts the gradient to the
-    param's dtype."""
+    param's dtype and strides (which the buffer's may not have: a channels-last copy)."""
 
     @staticmethod
     def forward(ctx: Any, param: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
-        ctx.dtype = param.dtype
+        ctx.dtype, ctx.stride = param.dtype, param.stride()
         buffer.copy_(param)
         return buffer.view_as(buffer)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad.to(ctx.dtype), None
+        if grad.stride() == ctx.stride:
+            return grad.to(ctx.dtype), None
+        out = torch.empty_strided(grad.shape, ctx.stride, dtype=ctx.dtype, device=grad.device)
+        return out.copy_(grad), None
 
 
 class _Linear(torch.autograd.Function):
     """``linear(x, low(w_master), low(b_master))`` with the casts and the conversion of the
     gradients fused in (a bias already in ``x``'s dtype is used as it is).
 
-    A weight below ``BLOCKED_NUMEL`` elements is cast into its persistent working copy,
-    which ``aten.linear`` uses and backward keeps. A larger one never exists in the low
+    A weight below ``BLOCKED_NUMEL`` elements is cast into its working copy (see
+    :meth:`WeightCache.working_copy`), which ``aten.linear`` uses and backward keeps. A
+    larger one never exists in the low
     dtype as a whole: forward casts it block of rows by block of rows into a small pooled
     scratch, each block feeding the columns of the output it makes; backward saves the fp32
     master itself (so autograd checks it is unchanged, as for an fp32 linear) and casts it
@@ -75,20 +87,25 @@ class _Linear(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
                 cache: WeightCache, shared: bool) -> torch.Tensor:
         cast_bias = b is not None and b.dtype != x.dtype  # an fp32 master bias: cast here too
-        bl = cache._buffer(b, ("train", x.dtype), x.dtype).copy_(b) if cast_bias else b
+        bl = cache.working_copy(b, x.dtype) if cast_bias else b
         ctx.bias_dtype = b.dtype if b is not None else None
         ctx.w_dtype = w.dtype
         ctx.cache = cache
         ctx.blocked = _blockable(x, w)
-        # a large weight's gradient goes into a buffer kept between steps, unless another
-        # node also uses the weight (autograd sums tied gradients in place only into a
-        # tensor nothing else holds)
-        ctx.w_ref = weakref.ref(w) if ctx.blocked and not shared else None
+        # a large weight's gradient goes into a buffer kept between steps (a fresh one
+        # faults its pages in every step), but only while the last gradient lives through
+        # this forward anyway (zero_grad after forward): the buffer is that gradient, and
+        # costs nothing at the forward's peak. Not for a weight other nodes use too:
+        # autograd sums tied gradients in place only into a tensor nothing else holds.
+        keep = w.numel() >= KEPT_GRAD_NUMEL and not shared and w.grad is not None
+        if not keep:
+            cache.drop_grad_buffer(w)
+        ctx.w_ref = weakref.ref(w) if keep else None
         if ctx.blocked:
-            cache.drop_inference_copy(w, x.dtype)
+            cache.drop_inference_copies(w)
             ctx.save_for_backward(x, w)
             return cache.blocked_linear(x, w, bl)
-        wl = cache._buffer(w, ("train", x.dtype), x.dtype).copy_(w)
+        wl = cache.working_copy(w, x.dtype)
         ctx.save_for_backward(x, wl)
         return torch.ops.aten.linear.default(x, wl, bl)
 
@@ -105,10 +122,13 @@ class _Linear(torch.autograd.Function):
             else:
                 gx = grad.matmul(wl)
         if need_w:
-            if ctx.blocked:
-                w = ctx.w_ref() if ctx.w_ref is not None else None
+            w = ctx.w_ref() if ctx.w_ref is not None else None
+            if w is not None and w.grad is not None:  # accumulating: autograd adds a fresh one
+                ctx.cache.drop_grad_buffer(w)
+                w = None
+            if ctx.blocked or w is not None:
                 out = ctx.cache.grad_buffer(w) if w is not None else None
-                gw = ctx.cache.blocked_weight_grad(grad2, x2, ctx.w_dtype, out)
+                gw = ctx.cache.blocked_weight_grad(grad2, x2, ctx.w_dtype, out, ctx.blocked)
             else:
                 gw = grad2.t().mm(x2).to(ctx.w_dtype)
         if need_b and ctx.bias_dtype is not None:
@@ -125,12 +145,16 @@ def _blockable(x: torch.Tensor, w: torch.Tensor) -> bool:
             and w.device.type == "cpu" and x.device.type == "cpu")
 
 
-# Weights of BLOCKED_NUMEL elements or more (64 MiB of fp32 gradient) are cast, and their
-# gradients computed, in blocks. Below it one whole product is faster and its working copy
-# costs no more than autocast's cast, which autocast keeps from forward until backward:
-# with blocking from 8M elements, GPT-2's 50257x768 head took 141 ms for grad_out @ w in
-# 1M-element blocks against 44 ms whole, and LLaMA-style training ran 0.92x autocast.
-BLOCKED_NUMEL = 1 << 24
+# Weights of BLOCKED_NUMEL elements or more are cast, and their gradients computed, in
+# blocks: no whole low-precision copy of them exists (GPT-2's 50257x768 head: 77 MB). Below
+# it one whole product is faster, and its working copy costs no more than autocast's cast,
+# which autocast keeps from forward until backward: the reference MLP's 4096x4096 layer
+# blocked ran 1.41x the all-bf16 floor, whole 1.2x.
+BLOCKED_NUMEL = 1 << 25
+# A fresh gradient of 64 MiB or more faults its pages in every step (above glibc's largest
+# mmap threshold); casting into a kept buffer was 2.5x faster than a fresh .to() there.
+KEPT_GRAD_NUMEL = 1 << 24
+KEPT_COPY_BYTES = 128 << 10  # glibc's default (smallest) mmap threshold
 SCRATCH_NUMEL = 1 << 20  # elements of low-precision weight gradient computed per block
 MAX_SCRATCH = 4  # pooled scratches per shape (threads running backward at once)
 
@@ -158,19 +182,26 @@ class WeightCache:
                     del self._slots[key]
         return drop
 
-    def cast(self, p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """``p.to(dtype)``, from a working copy (see the module docstring)."""
-        if p.dtype == dtype:
+    def cast(self, p: torch.Tensor, dtype: torch.dtype,
+             memory_format: torch.memory_format | None = None) -> torch.Tensor:
+        """``p.to(dtype, memory_format=memory_format)``, from a working copy (see the
+        module docstring); the gradient has ``p``'s strides whatever the copy's."""
+        if p.dtype == dtype and memory_format is None:
             return p
         if torch.is_grad_enabled() and p.requires_grad:
-            return _CastInto.apply(p, self._buffer(p, ("train", dtype), dtype))
+            self.drop_inference_copies(p)  # stale after the next update anyway
+            with torch.inference_mode(False):
+                buf = _empty(p, dtype, memory_format)
+            return _CastInto.apply(p, buf)
         key = (p._version, p.data_ptr(), p.device, tuple(p.shape))
         with self._lock:
             per = self._per_param(p)
-            entry = per.get(("infer", dtype))
+            entry = per.get(("infer", dtype, memory_format))
             if entry is None or entry[0] != key:
                 with torch.inference_mode(False), torch.no_grad():
-                    entry = per[("infer", dtype)] = (key, p.detach().to(dtype))
+                    copy = p.detach().to(dtype, memory_format=memory_format
+                                         or torch.preserve_format)
+                    entry = per[("infer", dtype, memory_format)] = (key, copy)
             return entry[1]
 
     def amp_linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
@@ -218,14 +249,18 @@ class WeightCache:
             yield start, n, scratch.narrow(dim, 0, n).copy_(w.narrow(dim, start, n))
 
     def blocked_weight_grad(self, grad: torch.Tensor, x: torch.Tensor, dtype: torch.dtype,
-                            out: torch.Tensor | None = None) -> torch.Tensor:
+                            out: torch.Tensor | None = None, pooled: bool = True
+                            ) -> torch.Tensor:
         """``(grad.T @ x).to(dtype)`` into ``out`` (or a new tensor), a block of rows at a
-        time through a pooled scratch: no whole low-precision gradient is made."""
+        time through a scratch (from the pool the blocked forward uses too, or, not
+        ``pooled``, one of its own): no whole low-precision gradient is made."""
         rows = grad.shape[1]
         if out is None:
             out = torch.empty(rows, x.shape[1], dtype=dtype, device=grad.device)
         step = max(1, SCRATCH_NUMEL // max(1, x.shape[1]))
-        scratch = self._pooled((step, x.shape[1]), grad.dtype, grad.device)
+        shape = (step, x.shape[1])
+        scratch = self._pooled(shape, grad.dtype, grad.device) if pooled else \
+            torch.empty(shape, dtype=grad.dtype, device=grad.device)
         gt = grad.t()
         for r in range(0, rows, step):
             n = min(step, rows - r)
@@ -249,36 +284,59 @@ class WeightCache:
                 pool.append((buf, _storage_refs(buf)))
             return buf.view_as(buf)
 
+    def working_copy(self, p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``p`` cast to ``dtype`` for training: into its buffer kept between steps if it is
+        large enough that a fresh one could fault its pages in (above glibc's smallest mmap
+        threshold), else into a fresh tensor from the heap's free lists, which then lives
+        only from its use in forward until backward, as autocast's."""
+        if p.numel() * dtype.itemsize < KEPT_COPY_BYTES:
+            self.drop_inference_copies(p)
+            return p.to(dtype)
+        return self._buffer(p, "train", dtype).copy_(p)
+
     def grad_buffer(self, p: torch.Tensor) -> torch.Tensor:
         """A view of a buffer for ``p``'s gradient, kept between steps, that nothing else
         holds (autograd adopts it as ``p.grad`` without a copy; a gradient the user kept is
         never overwritten: a new buffer is made)."""
-        return self._buffer(p, ("grad", p.dtype), p.dtype)
+        return self._buffer(p, "grad", p.dtype)
 
-    def _buffer(self, p: torch.Tensor, key: tuple, dtype: torch.dtype) -> torch.Tensor:
-        """A view of the buffer stored under ``key`` if no tensor outside the cache shares its
-        storage, else of a new one (which replaces it: the old one lives on with its other
-        holders). The view is made under the lock, so the buffer is marked in use before
-        another thread can pick it."""
+    def _buffer(self, p: torch.Tensor, kind: str, dtype: torch.dtype,
+                memory_format: torch.memory_format | None = None) -> torch.Tensor:
+        """A view of ``p``'s ``kind`` buffer (in ``dtype``, with ``p``'s strides or those of
+        ``memory_format``) if no tensor outside the cache shares its storage, else of a new
+        one (which replaces it: the old one lives on with its other holders). The view is
+        made under the lock, so the buffer is marked in use before another thread can pick
+        it."""
+        key = (kind, dtype, memory_format)
         with self._lock:
             per = self._per_param(p)
-            if key[0] == "train":
-                per.pop(("infer", dtype), None)  # stale after the next update anyway
+            if kind == "train":
+                self.drop_inference_copies(p)  # stale after the next update anyway
             entry = per.get(key)
             if entry is not None:
                 buf, alone = entry
-                if buf.shape == p.shape and buf.stride() == p.stride() \
-                        and buf.device == p.device and _storage_refs(buf) == alone:
+                laid_out = buf.stride() == p.stride() if memory_format is None \
+                    else buf.is_contiguous(memory_format=memory_format)
+                if buf.shape == p.shape and laid_out and buf.device == p.device \
+                        and _storage_refs(buf) == alone:
                     return buf.view_as(buf)
-            with torch.inference_mode(False):  # the param's strides: channels-last stays so
-                buf = torch.empty_strided(p.shape, p.stride(), dtype=dtype, device=p.device)
+            with torch.inference_mode(False):
+                buf = _empty(p, dtype, memory_format)
             per[key] = (buf, _storage_refs(buf))
             return buf.view_as(buf)
 
-    def drop_inference_copy(self, p: torch.Tensor, dtype: torch.dtype) -> None:
-        """Forget ``p``'s inference copy: training changes ``p``, so it would be made again."""
+    def drop_grad_buffer(self, p: torch.Tensor) -> None:
+        """Forget ``p``'s gradient buffer (a gradient that holds it keeps it alive)."""
         with self._lock:
-            self._per_param(p).pop(("infer", dtype), None)
+            self._per_param(p).pop(("grad", p.dtype, None), None)
+
+    def drop_inference_copies(self, p: torch.Tensor) -> None:
+        """Forget ``p``'s inference copies: training changes ``p``, so they would be made
+        again."""
+        with self._lock:
+            per = self._per_param(p)
+            for key in [k for k in per if k[0] == "infer"]:
+                del per[key]
 
     def clear(self) -> None:
         with self._lock:

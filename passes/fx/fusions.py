@@ -148,7 +148,8 @@ VIEWS = {aten.view.default, aten._unsafe_view.default, aten.as_strided.default}
 
 
 def channels_last_inputs(gm: fx.GraphModule, low: torch.dtype) -> PassResult:
-    """Let the casts of 4-D graph inputs that feed a convolution write channels-last.
+    """Let the casts of 4-D graph inputs that feed a convolution, and then those of the
+    convolutions' weights, write channels-last.
 
     oneDNN and cuDNN run 16-bit convolutions fastest on NHWC; an NCHW input is reordered on
     every call. Writing the input cast (which copies anyway) in channels-last makes the
@@ -166,15 +167,21 @@ def channels_last_inputs(gm: fx.GraphModule, low: torch.dtype) -> PassResult:
         if n.op == "call_function" and n.target in VIEWS and any(
                 t.dim() == 4 for t in tensors(n.args[0].meta.get("val"))):
             return PassResult(gm, False)
-    modified = False
-    for cast in nodes:
-        if is_amp_cast(cast) and cast.target is CAST and dtype_of(cast) == low \
-                and cast.args[0].op == "placeholder" \
-                and any(t.dim() == 4 for t in tensors(cast.meta.get("val"))) \
-                and any(u.target in CONVS and u.args[0] is cast for u in cast.users):
-            cast.kwargs = {**cast.kwargs, "memory_format": torch.channels_last}
-            modified = True
-    return PassResult(gm, modified)
+    inputs = [c for c in nodes if _low_4d_cast(c, low, "placeholder")
+              and any(u.target in CONVS and u.args[0] is c for u in c.users)]
+    # the convolutions then run NHWC, and aten reorders an NCHW 3x3 weight into a fresh
+    # copy on every call: the weight casts write channels-last too
+    weights = [c for c in nodes if inputs and _low_4d_cast(c, low, "get_attr") and c.users
+               and all(u.target in CONVS and u.args[1] is c for u in c.users)]
+    for cast in inputs + weights:
+        cast.kwargs = {**cast.kwargs, "memory_format": torch.channels_last}
+    return PassResult(gm, bool(inputs))
+
+
+def _low_4d_cast(node: fx.Node, low: torch.dtype, source: str) -> bool:
+    return (is_amp_cast(node) and node.target is CAST and dtype_of(node) == low
+            and node.args[0].op == source
+            and any(t.dim() == 4 for t in tensors(node.meta.get("val"))))
 
 
 GATHERS = {aten.embedding.default}

@@ -29,7 +29,8 @@ aten = torch.ops.aten
 def route_weight_casts(
     gm: fx.GraphModule, cast_fn: Callable[..., Any], recompile: bool = True
 ) -> PassResult:
-    """Replace ``_to_copy(get_attr, dtype)`` amp casts by ``cast_fn(get_attr, dtype)``.
+    """Replace ``_to_copy(get_attr, dtype)`` amp casts by ``cast_fn(get_attr, dtype)``
+    (passing on a ``memory_format`` the cast has), placed just before the first use.
 
     After cast insertion every parameter is cast once per forward by ``aten._to_copy``;
     routed, the runtime can keep a persistent low-precision working copy, refreshed only
@@ -39,11 +40,17 @@ def route_weight_casts(
         >>> route_weight_casts(gm, cache.cast)
     """
     modified = False
-    for node in list(gm.graph.nodes):
-        if not is_amp_cast(node) or node.args[0].op != "get_attr":
+    nodes = list(gm.graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    for node in nodes:
+        if not is_amp_cast(node) or node.args[0].op != "get_attr" or not node.users:
             continue
-        with gm.graph.inserting_after(node):
-            new = gm.graph.call_function(cast_fn, (node.args[0], node.kwargs["dtype"]))
+        layout = {k: v for k, v in node.kwargs.items() if k == "memory_format"}
+        # just before its first use, not hoisted with the others: a cast made in training
+        # lives from there until backward, as autocast's (all of them alive from the
+        # start would add the later layers' weights to a peak in the middle of forward)
+        with gm.graph.inserting_before(min(node.users, key=order.__getitem__)):
+            new = gm.graph.call_function(cast_fn, (node.args[0], node.kwargs["dtype"]), layout)
         new.meta.update(node.meta)
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)

@@ -214,7 +214,10 @@ def test_deepcopy_of_compiled_module_is_independent():
     torch.testing.assert_close(clone(x), net(x))
 
 
-def test_training_working_copies_are_reused_and_never_overwritten_while_in_use():
+def test_training_working_copies_are_reused_and_never_overwritten_while_in_use(monkeypatch):
+    import ampgraph.runtime.weights as weights
+
+    monkeypatch.setattr(weights, "KEPT_COPY_BYTES", 0)  # kept however small
     model = Tiny()
     reference = __import__("copy").deepcopy(model)
     net = ampgraph.compile(model, "O2", "bf16")
@@ -233,7 +236,7 @@ def test_training_working_copies_are_reused_and_never_overwritten_while_in_use()
     for _ in range(3):
         opt.zero_grad()
         out = net(x1)
-        cached = net._amp_weights._slots[id(model.fc1.weight)][1][("train", torch.bfloat16)]
+        cached = net._amp_weights._slots[id(model.fc1.weight)][1][("train", torch.bfloat16, None)]
         ptrs.add(cached[0].data_ptr())
         out.sum().backward()
         opt.step()

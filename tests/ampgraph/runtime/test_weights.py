@@ -74,6 +74,7 @@ def test_working_copies_and_scratch_are_reused_across_steps(monkeypatch):
 
     monkeypatch.setattr(weights, "SCRATCH_NUMEL", 64)  # fc1 and fc3 blocked, fc2 cast whole
     monkeypatch.setattr(weights, "BLOCKED_NUMEL", 64)
+    monkeypatch.setattr(weights, "KEPT_COPY_BYTES", 0)  # fc2's copy is kept, however small
     torch.manual_seed(0)
     model = Net()
     x = torch.randn(4, 16)
@@ -212,3 +213,85 @@ def test_a_tied_weight_sums_its_two_gradients_in_place(blocked, monkeypatch):
         plain(ids).float().square().sum().backward()
         ref = dict(plain.named_parameters())["emb.weight"].grad
         torch.testing.assert_close(model.emb.weight.grad, ref, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("blocked", [False, True])
+def test_a_large_gradient_buffer_is_kept_only_while_the_last_gradient_outlives_forward(
+        blocked, monkeypatch):
+    """zero_grad after forward: the last gradient lives through forward anyway, so the next
+    one reuses its storage. zero_grad before forward: nothing is kept (a kept buffer would
+    add a whole gradient to the forward's peak), and without zero_grad the gradients add
+    up as autograd's do."""
+    import ampgraph.runtime.weights as weights
+
+    monkeypatch.setattr(weights, "KEPT_GRAD_NUMEL", 512)  # fc1 (fc2 is used twice)
+    if blocked:
+        monkeypatch.setattr(weights, "SCRATCH_NUMEL", 64)
+        monkeypatch.setattr(weights, "BLOCKED_NUMEL", 512)
+    torch.manual_seed(0)
+    model = Net()
+    x = torch.randn(4, 16)
+    gm, cache = compiled(model, x, True)
+    plain, _ = compiled(copy.deepcopy(model), x, False)
+    w = model.fc1.weight
+
+    def storages(zero_first, steps=4):
+        seen = []
+        for _ in range(steps):
+            if zero_first:
+                model.zero_grad(set_to_none=True)
+            loss = gm(x).square().mean()
+            if not zero_first:
+                model.zero_grad(set_to_none=True)
+            loss.backward()
+            seen.append(w.grad.untyped_storage().data_ptr())
+        return seen
+
+    late = storages(zero_first=False)
+    assert late[1] == late[2] == late[3]
+    storages(zero_first=True, steps=1)
+    assert not any(k[0] == "grad" for k in cache._per_param(w)), "nothing kept"
+
+    model.zero_grad(set_to_none=True)
+    for _ in range(3):  # accumulation: the gradient outlives forward and backward
+        gm(x).square().mean().backward()
+        plain(x).square().mean().backward()
+    ref = dict(plain.named_parameters())["fc1.weight"].grad
+    torch.testing.assert_close(w.grad, ref, rtol=1e-2, atol=1e-4)
+
+
+def test_conv_weights_of_a_channels_last_graph_are_cast_channels_last():
+    """The convolutions run NHWC: an NCHW 3x3 weight would be copied on every call. The
+    cast writes channels-last; the gradient keeps the master's strides; values as aten's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                          nn.Conv2d(8, 8, 3, padding=1), nn.AdaptiveAvgPool2d(1),
+                          nn.Flatten(), nn.Linear(8, 4))
+    x = torch.randn(2, 3, 8, 8)
+    gm, cache = compiled(model, x, True)
+    plain, _ = compiled(copy.deepcopy(model), x, False)
+    conv_casts = [n for n in gm.graph.nodes if n.target == cache.cast
+                  and n.kwargs.get("memory_format") == torch.channels_last]
+    assert sorted(n.args[0].target for n in conv_casts) == ["0.weight", "3.weight"]
+    seen = []
+    orig = cache.cast
+
+    def spy(p, dtype, memory_format=None):
+        out = orig(p, dtype, memory_format)
+        if p.dim() == 4:
+            seen.append(out.is_contiguous(memory_format=torch.channels_last))
+        return out
+
+    for node in conv_casts:
+        node.target = spy
+    gm.recompile()
+    gm(x).square().sum().backward()
+    plain(x).square().sum().backward()
+    assert seen == [True, True]
+    for name, p in dict(plain.named_parameters()).items():
+        mine = dict(gm.named_parameters())[name]
+        assert mine.grad.stride() == mine.stride(), name
+        torch.testing.assert_close(mine.grad, p.grad, rtol=2e-2, atol=1e-3)
+    with torch.no_grad():  # inference copies are channels-last too
+        torch.testing.assert_close(gm(x), plain(x), rtol=2e-2, atol=1e-2)
+    assert seen[-2:] == [True, True]
