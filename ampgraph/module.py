@@ -283,6 +283,7 @@ class AmpModule(nn.Module):
                 keep_io_types=self.amp_config.keep_io_types,
                 weight_cast=self._amp_weights.cast if backend is None else None,
                 linear=self._amp_weights.amp_linear if backend is None else None,
+                embedding=self._amp_weights.amp_embedding if backend is None else None,
                 attention=amp_attention,
             )
         except Exception as exc:

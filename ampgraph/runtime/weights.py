@@ -92,15 +92,7 @@ class _Linear(torch.autograd.Function):
         ctx.w_dtype = w.dtype
         ctx.cache = cache
         ctx.blocked = _blockable(x, w)
-        # a large weight's gradient goes into a buffer kept between steps (a fresh one
-        # faults its pages in every step), but only while the last gradient lives through
-        # this forward anyway (zero_grad after forward): the buffer is that gradient, and
-        # costs nothing at the forward's peak. Not for a weight other nodes use too:
-        # autograd sums tied gradients in place only into a tensor nothing else holds.
-        keep = w.numel() >= KEPT_GRAD_NUMEL and not shared and w.grad is not None
-        if not keep:
-            cache.drop_grad_buffer(w)
-        ctx.w_ref = weakref.ref(w) if keep else None
+        ctx.w_ref = cache.keep_grad(w, shared)
         if ctx.blocked:
             cache.drop_inference_copies(w)
             ctx.save_for_backward(x, w)
@@ -122,18 +114,43 @@ class _Linear(torch.autograd.Function):
             else:
                 gx = grad.matmul(wl)
         if need_w:
-            w = ctx.w_ref() if ctx.w_ref is not None else None
-            if w is not None and w.grad is not None:  # accumulating: autograd adds a fresh one
-                ctx.cache.drop_grad_buffer(w)
-                w = None
-            if ctx.blocked or w is not None:
-                out = ctx.cache.grad_buffer(w) if w is not None else None
+            out = ctx.cache.kept_grad(ctx.w_ref)
+            if ctx.blocked or out is not None:
                 gw = ctx.cache.blocked_weight_grad(grad2, x2, ctx.w_dtype, out, ctx.blocked)
             else:
                 gw = grad2.t().mm(x2).to(ctx.w_dtype)
         if need_b and ctx.bias_dtype is not None:
             gb = grad2.sum(0).to(ctx.bias_dtype)  # summed in the low dtype, as aten's
         return gx, gw, gb, None, None
+
+
+class _Embedding(torch.autograd.Function):
+    """``aten.embedding(w, ids, padding_idx)`` whose backward sums the rows' gradients into
+    ``w``'s kept gradient buffer (zeroed first) when :meth:`WeightCache.keep_grad` keeps
+    one, else into a fresh table as aten's (``index_add_`` either way, as aten's CPU
+    embedding backward: the same sums in the same order)."""
+
+    @staticmethod
+    def forward(ctx: Any, w: torch.Tensor, ids: torch.Tensor, padding_idx: int,
+                cache: WeightCache, shared: bool) -> torch.Tensor:
+        ctx.save_for_backward(ids)
+        ctx.w_ref = cache.keep_grad(w, shared)
+        ctx.padding_idx, ctx.cache, ctx.rows = padding_idx, cache, w.shape[0]
+        return torch.ops.aten.embedding.default(w, ids, padding_idx)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        (ids,) = ctx.saved_tensors
+        out = ctx.cache.kept_grad(ctx.w_ref)
+        if out is None:
+            gw = torch.ops.aten.embedding_dense_backward.default(
+                grad, ids, ctx.rows, ctx.padding_idx, False)
+            return gw, None, None, None, None
+        flat = ids.reshape(-1)
+        rows = grad.reshape(-1, grad.shape[-1])
+        if ctx.padding_idx >= 0:  # the padding row gets no gradient
+            rows = rows.masked_fill((flat == ctx.padding_idx).unsqueeze(1), 0)
+        return out.zero_().index_add_(0, flat, rows.to(out.dtype)), None, None, None, None
 
 
 def _blockable(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -215,6 +232,14 @@ class WeightCache:
             return _Linear.apply(x, w, b, self, shared)
         b = self.cast(b, x.dtype) if b is not None else None
         return torch.ops.aten.linear.default(x, self.cast(w, x.dtype), b)
+
+    def amp_embedding(self, w: torch.Tensor, ids: torch.Tensor, padding_idx: int = -1,
+                      shared: bool = False) -> torch.Tensor:
+        """``aten.embedding(w, ids, padding_idx)`` on an fp32 table (see :class:`_Embedding`;
+        ``shared``: other nodes use ``w`` too)."""
+        if torch.is_grad_enabled() and w.requires_grad:
+            return _Embedding.apply(w, ids, padding_idx, self, shared)
+        return torch.ops.aten.embedding.default(w, ids, padding_idx)
 
     def blocked_linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
                        ) -> torch.Tensor:
@@ -327,7 +352,33 @@ class WeightCache:
             per[key] = (buf, _storage_refs(buf))
             return buf.view_as(buf)
 
-    def drop_grad_buffer(self, p: torch.Tensor) -> None:
+    def keep_grad(self, w: torch.Tensor, shared: bool) -> weakref.ref | None:
+        """In forward: a reference to ``w`` if its gradient is to go into a buffer kept
+        between steps, else None (and any buffer is forgotten).
+
+        Kept for a weight of ``KEPT_GRAD_NUMEL`` elements or more (a fresh gradient that
+        size faults its pages in every step), but only while the last gradient lives
+        through this forward anyway (zero_grad after forward): the buffer is that gradient,
+        and costs nothing at the forward's peak. Not for a weight other nodes use too:
+        autograd sums tied gradients in place only into a tensor nothing else holds."""
+        if w.numel() >= KEPT_GRAD_NUMEL and not shared and w.grad is not None:
+            return weakref.ref(w)
+        self._drop_grad_buffer(w)
+        return None
+
+    def kept_grad(self, ref: weakref.ref | None) -> torch.Tensor | None:
+        """In backward: the buffer for the gradient of the weight :meth:`keep_grad` kept,
+        or None for a fresh gradient (also when gradients accumulate: autograd adds the
+        new one into the one the weight holds)."""
+        w = ref() if ref is not None else None
+        if w is None:
+            return None
+        if w.grad is not None:
+            self._drop_grad_buffer(w)
+            return None
+        return self.grad_buffer(w)
+
+    def _drop_grad_buffer(self, p: torch.Tensor) -> None:
         """Forget ``p``'s gradient buffer (a gradient that holds it keeps it alive)."""
         with self._lock:
             self._per_param(p).pop(("grad", p.dtype, None), None)

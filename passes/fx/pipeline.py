@@ -22,6 +22,7 @@ from passes.fx.insert_casts import annotate, insert_casts
 from passes.fx.layouts import contiguous_linear_inputs
 from passes.fx.routing import (
     route_attention,
+    route_embeddings,
     route_linears,
     route_weight_casts,
 )
@@ -68,6 +69,7 @@ def run_amp_passes(
     weight_cast: Callable[..., Any] | None = None,
     fuse_norms: bool = True,
     linear: Callable[..., Any] | None = None,
+    embedding: Callable[..., Any] | None = None,
     attention: Callable[..., Any] | None = None,
 ) -> FxAmpResult:
     """Rewrite ``gm`` in place for mixed precision and verify the result.
@@ -82,6 +84,8 @@ def run_amp_passes(
         linear: with ``weight_cast``, low-precision ``aten.linear`` nodes on a cast parameter
             call ``linear(x, w, b)`` instead (the runtime's choice of where weight
             gradients go).
+        embedding: with ``weight_cast``, ``aten.embedding`` nodes on a float parameter call
+            ``embedding(table, ids, padding_idx)`` instead (likewise).
         attention: if given, low-precision ``aten.scaled_dot_product_attention`` nodes call
             it with the same arguments instead (the runtime's choice of kernel).
         fuse_norms: let fp32 norms take and return ``low`` activations where every use
@@ -101,7 +105,7 @@ def run_amp_passes(
     with gc_paused():
         PassManager(amp_passes(
             policy, low, state, keep_io_types=keep_io_types, weight_cast=weight_cast,
-            fuse_norms=fuse_norms, linear=linear, attention=attention,
+            fuse_norms=fuse_norms, linear=linear, embedding=embedding, attention=attention,
         )).run(gm)
     return FxAmpResult(gm, state.decisions, state.casts)
 
@@ -124,6 +128,7 @@ def amp_passes(
     weight_cast: Callable[..., Any] | None = None,
     fuse_norms: bool = True,
     linear: Callable[..., Any] | None = None,
+    embedding: Callable[..., Any] | None = None,
     attention: Callable[..., Any] | None = None,
 ) -> list[Callable[[fx.GraphModule], PassResult]]:
     """The passes :func:`run_amp_passes` runs, in order, each a named ``fn(gm) ->
@@ -164,6 +169,8 @@ def amp_passes(
                             recompile=False))
         if linear is not None:
             passes.append(named("route_linears", route_linears, linear, low))
+        if embedding is not None:
+            passes.append(named("route_embeddings", route_embeddings, embedding))
     if attention is not None:
         passes.append(named("route_attention", route_attention, attention, low))
     passes.append(named("recompile", _recompile))

@@ -3,6 +3,7 @@
 - :func:`route_weight_casts`: parameter casts call a cached cast (a persistent
   low-precision working copy, refreshed only when the fp32 master weight changes).
 - :func:`route_linears`: a linear casts its own weight and converts its weight gradient.
+- :func:`route_embeddings`: a lookup on a parameter table picks where its gradient goes.
 - :func:`route_attention`: attention calls the runtime's implementation, which picks the
   kernel for the shapes it meets.
 
@@ -74,11 +75,7 @@ def route_linears(gm: fx.GraphModule, linear_fn: Callable[..., Any], low: torch.
     Example:
         >>> route_linears(gm, cache.amp_linear, torch.bfloat16)
     """
-    uses: dict[int, int] = {}  # id(parameter) -> users of get_attr nodes reading it
-    for node in gm.graph.nodes:
-        if node.op == "get_attr":
-            key = id(fetch_attr(gm, node.target))
-            uses[key] = uses.get(key, 0) + len(node.users)
+    uses = _param_uses(gm)
     modified = False
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not aten.linear.default \
@@ -103,6 +100,44 @@ def route_linears(gm: fx.GraphModule, linear_fn: Callable[..., Any], low: torch.
         node.meta["amp_orig_op"] = "aten.linear"
         node.meta["amp_reason"] = (f"{node.meta.get('amp_reason', '')}; its weight cast and "
                                    "the conversion of its weight gradient are fused into it")
+        modified = True
+    return PassResult(gm, modified)
+
+
+def _param_uses(gm: fx.GraphModule) -> dict[int, int]:
+    """id(parameter) -> the number of users of the get_attr nodes reading it."""
+    uses: dict[int, int] = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            key = id(fetch_attr(gm, node.target))
+            uses[key] = uses.get(key, 0) + len(node.users)
+    return uses
+
+
+def route_embeddings(gm: fx.GraphModule, embedding_fn: Callable[..., Any]) -> PassResult:
+    """Replace ``aten.embedding(W, ids, padding_idx)`` on a float parameter ``W`` by
+    ``embedding_fn(W, ids, padding_idx)``: the runtime picks where the table's gradient
+    goes. A table other nodes use too (tied input and output embeddings) is passed with
+    ``shared=True``. Lookups that scale gradients by frequency or want sparse gradients
+    are left alone.
+
+    Example:
+        >>> route_embeddings(gm, cache.amp_embedding)
+    """
+    uses = _param_uses(gm)
+    modified = False
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.embedding.default \
+                or node.kwargs or any(node.args[3:]) or node.args[0].op != "get_attr":
+            continue
+        table = fetch_attr(gm, node.args[0].target)
+        if not (isinstance(table, torch.Tensor) and table.is_floating_point()):
+            continue
+        node.target = embedding_fn
+        node.args = node.args[:3]
+        if uses.get(id(table), 0) > 1:
+            node.kwargs = {"shared": True}
+        node.meta["amp_orig_op"] = "aten.embedding"
         modified = True
     return PassResult(gm, modified)
 

@@ -29,7 +29,8 @@ def compiled(model, x, fused):
     gm = torch.export.export(model, (x,), strict=False).module()
     cache = WeightCache()
     run_amp_passes(gm, make_policy("O2"), torch.bfloat16, weight_cast=cache.cast,
-                   linear=cache.amp_linear if fused else None)
+                   linear=cache.amp_linear if fused else None,
+                   embedding=cache.amp_embedding if fused else None)
     return gm, cache
 
 
@@ -295,3 +296,45 @@ def test_conv_weights_of_a_channels_last_graph_are_cast_channels_last():
     with torch.no_grad():  # inference copies are channels-last too
         torch.testing.assert_close(gm(x), plain(x), rtol=2e-2, atol=1e-2)
     assert seen[-2:] == [True, True]
+
+
+class Lookup(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.fc = nn.Embedding(50, 16, padding_idx=0), nn.Linear(16, 4)
+
+    def forward(self, ids):
+        return self.fc(self.emb(ids))
+
+
+@pytest.mark.parametrize("kept", [False, True])
+def test_routed_embedding_gradients_are_aten_s_and_a_kept_table_reuses_its_buffer(
+        kept, monkeypatch):
+    """The same sums in the same order as aten's embedding backward (the padding row gets
+    none), into a buffer reused across steps where the last gradient outlives forward."""
+    import ampgraph.runtime.weights as weights
+
+    if kept:
+        monkeypatch.setattr(weights, "KEPT_GRAD_NUMEL", 800)  # the 50x16 table
+    torch.manual_seed(0)
+    model = Lookup()
+    ids = torch.randint(0, 50, (4, 12))
+    ids[0, :3] = 0
+    gm, cache = compiled(model, ids, True)
+    plain, _ = compiled(copy.deepcopy(model), ids, False)
+    assert any(n.target == cache.amp_embedding for n in gm.graph.nodes)
+    seen = []
+    for _ in range(3):
+        loss = gm(ids).float().square().sum()
+        model.zero_grad(set_to_none=True)  # after forward: the last gradient outlived it
+        loss.backward()
+        plain.zero_grad(set_to_none=True)
+        plain(ids).float().square().sum().backward()
+        ref = dict(plain.named_parameters())["emb.weight"].grad
+        torch.testing.assert_close(model.emb.weight.grad, ref, rtol=0, atol=0)
+        assert not model.emb.weight.grad[0].any()
+        seen.append(model.emb.weight.grad.data_ptr())
+    held = any(k[0] == "grad" for k in cache._per_param(model.emb.weight))
+    assert held == kept
+    if kept:
+        assert seen[1] == seen[2]

@@ -55,7 +55,7 @@ EXPECTED_PASSES = [
     "annotate", "insert_casts",
     "fold_casts", "fuse_norm_casts", "channels_last_inputs", "sink_gather_casts",
     "contiguous_linear_inputs", "verify",
-    "count_casts", "route_weight_casts", "route_linears",
+    "count_casts", "route_weight_casts", "route_linears", "route_embeddings",
     "route_attention", "recompile",
 ]
 
@@ -66,7 +66,7 @@ def test_the_pipeline_is_a_list_of_named_passes():
 
     everything = pipeline.amp_passes(
         make_policy("O2"), torch.bfloat16, pipeline.PipelineState(), weight_cast=fn, linear=fn,
-        attention=fn)
+        embedding=fn, attention=fn)
     assert [p.__name__ for p in everything] == EXPECTED_PASSES
     plain = pipeline.amp_passes(make_policy("O0"), torch.bfloat16, pipeline.PipelineState(),
                                 fuse_norms=False, linear=fn)
