@@ -43,8 +43,14 @@ def amp_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   enable_gqa: bool = False) -> torch.Tensor:
     """``aten.scaled_dot_product_attention``, same signature; unfused (the op
     ``ampgraph::attention``) when a gradient is wanted and :func:`unfused_pays` says so
-    (without gradients the fused kernel's forward is as fast)."""
+    (without gradients the fused kernel's forward is as fast). A boolean mask on the CPU
+    that masks nothing is dropped (the same values)."""
     q, k, v = query, key, value
+    if attn_mask is not None and attn_mask.dtype == torch.bool \
+            and attn_mask.device.type == "cpu" and bool(attn_mask.all()):
+        # nothing masked: a captured HF model builds its mask from the traced shapes
+        # (arange >= 0 for a ViT) where eager HF skips it; the unmasked kernel is faster
+        attn_mask = None
     training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
                                             or v.requires_grad)
     if not unfused_pays(q, k, v, attn_mask, dropout_p, enable_gqa, training):

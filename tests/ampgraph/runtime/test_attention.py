@@ -257,3 +257,22 @@ def test_o2_bert_training_with_attention_dropout_runs_bf16_matmuls():
     names = [name for name, _ in rec.calls]
     assert "attention" in names  # ampgraph::attention, not aten's fp32 math path
     assert all(d[0] == BF16 for name, d in rec.calls if name in ("bmm", "attention"))
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_a_boolean_mask_that_masks_nothing_is_dropped(training):
+    """A captured HF ViT builds an all-true mask from the traced shapes where eager HF passes
+    none: the kernel then runs unmasked, with the same values. A mask with one False is
+    kept."""
+    q, k, v = qkv()
+    if not training:
+        q, k, v = (t.detach() for t in (q, k, v))
+    everything = torch.ones(4, 1, 16, 16, dtype=torch.bool).expand(4, 2, 16, 16)
+    one_off = everything.clone()
+    one_off[0, 0, 0, 0] = False
+    with torch.set_grad_enabled(training):
+        out, rec = record(lambda: amp_attention(q, k, v, everything))
+        masked_ops = {n for n, _ in rec.calls} & {"where", "masked_fill_", "logical_not"}
+        assert not masked_ops
+        assert torch.equal(out, amp_attention(q, k, v))
+        assert not torch.equal(amp_attention(q, k, v, one_off), out)
