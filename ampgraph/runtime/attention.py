@@ -47,7 +47,8 @@ def amp_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     that masks nothing is dropped (the same values)."""
     q, k, v = query, key, value
     if attn_mask is not None and attn_mask.dtype == torch.bool \
-            and attn_mask.device.type == "cpu" and bool(attn_mask.all()):
+            and attn_mask.device.type == "cpu" and not torch.compiler.is_compiling() \
+            and bool(attn_mask.all()):
         # nothing masked: a captured HF model builds its mask from the traced shapes
         # (arange >= 0 for a ViT) where eager HF skips it; the unmasked kernel is faster
         attn_mask = None

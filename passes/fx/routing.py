@@ -1,7 +1,7 @@
 """Runtime routing: ops the runtime carries out its own way, called from the rewritten graph.
 
-- :func:`route_weight_casts`: parameter casts call a cached cast (a persistent
-  low-precision working copy, refreshed only when the fp32 master weight changes).
+- :func:`route_weight_casts`: parameter casts call the runtime's cast (in inference a
+  working copy refreshed only when the fp32 master weight changes), at their first use.
 - :func:`route_linears`: a linear casts its own weight and converts its weight gradient.
 - :func:`route_embeddings`: a lookup on a parameter table picks where its gradient goes.
 - :func:`route_attention`: attention calls the runtime's implementation, which picks the
