@@ -61,8 +61,6 @@ class _CastInto(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        if grad.stride() == ctx.stride:
-            return grad.to(ctx.dtype), None
         out = torch.empty_strided(grad.shape, ctx.stride, dtype=ctx.dtype, device=grad.device)
         return out.copy_(grad), None
 
@@ -73,20 +71,20 @@ class _Linear(torch.autograd.Function):
 
     A weight below ``BLOCKED_NUMEL`` elements is cast into its working copy (see
     :meth:`WeightCache.working_copy`), which ``aten.linear`` uses and backward keeps. A
-    larger one never exists in the low
-    dtype as a whole: forward casts it block of rows by block of rows into a small pooled
-    scratch, each block feeding the columns of the output it makes; backward saves the fp32
-    master itself (so autograd checks it is unchanged, as for an fp32 linear) and casts it
-    again, block of columns by block of columns, for ``grad_out @ w``, and computes
-    ``grad_out.T @ input`` block of rows by block of rows into the scratch, each block
-    converted straight into the fp32 gradient. The values are those of ``aten.linear`` on
-    the whole cast weight up to the kernels' summation order.
+    larger one never exists in the low dtype as a whole: forward casts it block of rows by
+    block of rows into a small pooled scratch, each block feeding the columns of the output
+    it makes; backward saves the fp32 master itself (so autograd checks it is unchanged, as
+    for an fp32 linear) and casts it again, block of columns by block of columns, for
+    ``grad_out @ w``, and computes ``grad_out.T @ input`` block of rows by block of rows
+    into the scratch, each block converted straight into the fp32 gradient. The values are
+    those of ``aten.linear`` on the whole cast weight up to the kernels' summation order.
     """
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
                 cache: WeightCache, shared: bool) -> torch.Tensor:
         cast_bias = b is not None and b.dtype != x.dtype  # an fp32 master bias: cast here too
+        cache.drop_inference_copies(w, *([b] if cast_bias else []))  # stale after the update
         bl = cache.working_copy(b, x.dtype) if cast_bias else b
         ctx.bias_dtype = b.dtype if b is not None else None
         ctx.w_dtype = w.dtype
@@ -94,7 +92,6 @@ class _Linear(torch.autograd.Function):
         ctx.blocked = _blockable(x, w)
         ctx.w_ref = cache.keep_grad(w, shared)
         if ctx.blocked:
-            cache.drop_inference_copies(w)
             ctx.save_for_backward(x, w)
             return cache.blocked_linear(x, w, bl)
         wl = cache.working_copy(w, x.dtype)
@@ -317,7 +314,6 @@ class WeightCache:
         threshold), else into a fresh tensor from the heap's free lists, which then lives
         only from its use in forward until backward, as autocast's."""
         if p.numel() * dtype.itemsize < KEPT_COPY_BYTES:
-            self.drop_inference_copies(p)
             return p.to(dtype)
         return self._buffer(p, "train", dtype).copy_(p)
 
@@ -327,28 +323,22 @@ class WeightCache:
         never overwritten: a new buffer is made)."""
         return self._buffer(p, "grad", p.dtype)
 
-    def _buffer(self, p: torch.Tensor, kind: str, dtype: torch.dtype,
-                memory_format: torch.memory_format | None = None) -> torch.Tensor:
-        """A view of ``p``'s ``kind`` buffer (in ``dtype``, with ``p``'s strides or those of
-        ``memory_format``) if no tensor outside the cache shares its storage, else of a new
-        one (which replaces it: the old one lives on with its other holders). The view is
-        made under the lock, so the buffer is marked in use before another thread can pick
-        it."""
-        key = (kind, dtype, memory_format)
+    def _buffer(self, p: torch.Tensor, kind: str, dtype: torch.dtype) -> torch.Tensor:
+        """A view of ``p``'s ``kind`` buffer (in ``dtype``, with ``p``'s strides) if no tensor
+        outside the cache shares its storage, else of a new one (which replaces it: the old
+        one lives on with its other holders). The view is made under the lock, so the buffer
+        is marked in use before another thread can pick it."""
+        key = (kind, dtype)
         with self._lock:
             per = self._per_param(p)
-            if kind == "train":
-                self.drop_inference_copies(p)  # stale after the next update anyway
             entry = per.get(key)
             if entry is not None:
                 buf, alone = entry
-                laid_out = buf.stride() == p.stride() if memory_format is None \
-                    else buf.is_contiguous(memory_format=memory_format)
-                if buf.shape == p.shape and laid_out and buf.device == p.device \
-                        and _storage_refs(buf) == alone:
+                if buf.shape == p.shape and buf.stride() == p.stride() \
+                        and buf.device == p.device and _storage_refs(buf) == alone:
                     return buf.view_as(buf)
             with torch.inference_mode(False):
-                buf = _empty(p, dtype, memory_format)
+                buf = _empty(p, dtype, None)
             per[key] = (buf, _storage_refs(buf))
             return buf.view_as(buf)
 
@@ -381,15 +371,16 @@ class WeightCache:
     def _drop_grad_buffer(self, p: torch.Tensor) -> None:
         """Forget ``p``'s gradient buffer (a gradient that holds it keeps it alive)."""
         with self._lock:
-            self._per_param(p).pop(("grad", p.dtype, None), None)
+            self._per_param(p).pop(("grad", p.dtype), None)
 
-    def drop_inference_copies(self, p: torch.Tensor) -> None:
-        """Forget ``p``'s inference copies: training changes ``p``, so they would be made
-        again."""
+    def drop_inference_copies(self, *params: torch.Tensor) -> None:
+        """Forget the inference copies of ``params``: training changes them, so they would
+        be made again."""
         with self._lock:
-            per = self._per_param(p)
-            for key in [k for k in per if k[0] == "infer"]:
-                del per[key]
+            for p in params:
+                per = self._per_param(p)
+                for key in [k for k in per if k[0] == "infer"]:
+                    del per[key]
 
     def clear(self) -> None:
         with self._lock:

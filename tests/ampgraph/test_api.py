@@ -236,7 +236,7 @@ def test_training_working_copies_are_reused_and_never_overwritten_while_in_use(m
     for _ in range(3):
         opt.zero_grad()
         out = net(x1)
-        cached = net._amp_weights._slots[id(model.fc1.weight)][1][("train", torch.bfloat16, None)]
+        cached = net._amp_weights._slots[id(model.fc1.weight)][1][("train", torch.bfloat16)]
         ptrs.add(cached[0].data_ptr())
         out.sum().backward()
         opt.step()
