@@ -70,7 +70,9 @@ class _Linear(torch.autograd.Function):
     gradients fused in (a bias already in ``x``'s dtype is used as it is).
 
     A weight below ``BLOCKED_NUMEL`` elements is cast into its working copy (see
-    :meth:`WeightCache.working_copy`), which ``aten.linear`` uses and backward keeps. A
+    :meth:`WeightCache.working_copy`), which ``aten.linear`` uses and backward keeps; once
+    backward has made ``grad_input`` the copy is dead, and ``grad_out.T @ input`` is
+    computed into it before its conversion to fp32 (no fresh low-precision gradient). A
     larger one never exists in the low dtype as a whole: forward casts it block of rows by
     block of rows into a small pooled scratch, each block feeding the columns of the output
     it makes; backward saves the fp32 master itself (so autograd checks it is unchanged, as
@@ -95,6 +97,7 @@ class _Linear(torch.autograd.Function):
             ctx.save_for_backward(x, w)
             return cache.blocked_linear(x, w, bl)
         wl = cache.working_copy(w, x.dtype)
+        ctx.wl_owned = wl.data_ptr() != w.data_ptr()
         ctx.save_for_backward(x, wl)
         return torch.ops.aten.linear.default(x, wl, bl)
 
@@ -112,10 +115,12 @@ class _Linear(torch.autograd.Function):
                 gx = grad.matmul(wl)
         if need_w:
             out = ctx.cache.kept_grad(ctx.w_ref)
-            if ctx.blocked or out is not None:
-                gw = ctx.cache.blocked_weight_grad(grad2, x2, ctx.w_dtype, out, ctx.blocked)
-            else:
-                gw = grad2.t().mm(x2).to(ctx.w_dtype)
+            if ctx.blocked:
+                gw = ctx.cache.blocked_weight_grad(grad2, x2, ctx.w_dtype, out)
+            else:  # into the working copy once nothing reads it again, else a fresh tensor
+                low = torch.mm(grad2.t(), x2, out=wl) if _dead(wl, ctx.wl_owned) \
+                    else grad2.t().mm(x2)
+                gw = low.to(ctx.w_dtype) if out is None else out.copy_(low)
         if need_b and ctx.bias_dtype is not None:
             gb = grad2.sum(0).to(ctx.bias_dtype)  # summed in the low dtype, as aten's
         return gx, gw, gb, None, None
@@ -148,6 +153,15 @@ class _Embedding(torch.autograd.Function):
         if ctx.padding_idx >= 0:  # the padding row gets no gradient
             rows = rows.masked_fill((flat == ctx.padding_idx).unsqueeze(1), 0)
         return out.zero_().index_add_(0, flat, rows.to(out.dtype)), None, None, None, None
+
+
+def _dead(wl: torch.Tensor, owned: bool) -> bool:
+    """Whether :class:`_Linear`'s backward may write the weight gradient over the working
+    copy ``wl`` once it has made ``grad_input``: a contiguous copy of the cache's own (not
+    the weight itself) that no later backward reads (the graph is not retained). The next
+    forward casts into it afresh."""
+    keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return owned and wl.is_contiguous() and keep_graph is not None and not keep_graph()
 
 
 def _blockable(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -273,18 +287,15 @@ class WeightCache:
             yield start, n, scratch.narrow(dim, 0, n).copy_(w.narrow(dim, start, n))
 
     def blocked_weight_grad(self, grad: torch.Tensor, x: torch.Tensor, dtype: torch.dtype,
-                            out: torch.Tensor | None = None, pooled: bool = True
-                            ) -> torch.Tensor:
+                            out: torch.Tensor | None = None) -> torch.Tensor:
         """``(grad.T @ x).to(dtype)`` into ``out`` (or a new tensor), a block of rows at a
-        time through a scratch (from the pool the blocked forward uses too, or, not
-        ``pooled``, one of its own): no whole low-precision gradient is made."""
+        time through a scratch from the pool the blocked forward uses too: no whole
+        low-precision gradient is made."""
         rows = grad.shape[1]
         if out is None:
             out = torch.empty(rows, x.shape[1], dtype=dtype, device=grad.device)
         step = max(1, SCRATCH_NUMEL // max(1, x.shape[1]))
-        shape = (step, x.shape[1])
-        scratch = self._pooled(shape, grad.dtype, grad.device) if pooled else \
-            torch.empty(shape, dtype=grad.dtype, device=grad.device)
+        scratch = self._pooled((step, x.shape[1]), grad.dtype, grad.device)
         gt = grad.t()
         for r in range(0, rows, step):
             n = min(step, rows - r)

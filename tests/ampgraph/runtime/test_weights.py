@@ -105,6 +105,36 @@ def test_two_forwards_then_one_backward_with_routed_linears():
         torch.testing.assert_close(p.grad, q.grad)
 
 
+def test_the_weight_gradient_is_made_in_the_dead_working_copy_unless_the_graph_is_retained(
+        monkeypatch):
+    import ampgraph.runtime.weights as weights
+
+    monkeypatch.setattr(weights, "KEPT_COPY_BYTES", 0)  # fc1's and fc3's copies are kept
+    torch.manual_seed(0)
+    model = Net()
+    x = torch.randn(3, 16)
+    gm, cache = compiled(model, x, True)
+    ref, _ = compiled(copy.deepcopy(model), x, False)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    loss_a, loss_b = gm(xa).square().sum(), ref(xb).square().sum()
+    for _ in range(2):  # the second backward reads the working copies again
+        loss_a.backward(retain_graph=True)
+        loss_b.backward(retain_graph=True)
+        torch.testing.assert_close(xa.grad, xb.grad)
+        for p, q in zip(gm.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
+    copies = {t.shape: t for t in cache.train_copies() if t.dim() == 2}
+    torch.testing.assert_close(copies[(8, 32)], model.fc3.weight.bfloat16(), rtol=0, atol=0)
+    del loss_a  # frees the retained graph and its hold on the copies
+    for p in model.parameters():
+        p.grad = None
+    gm(x).square().sum().backward()  # not retained: the copies hold the bf16 gradients
+    copies = {t.shape: t for t in cache.train_copies() if t.dim() == 2}
+    for fc in (model.fc1, model.fc3):
+        torch.testing.assert_close(copies[tuple(fc.weight.shape)].float(), fc.weight.grad,
+                                   rtol=0, atol=0)
+
+
 def test_blocked_linear_checks_the_master_is_unchanged_before_backward(monkeypatch):
     import ampgraph.runtime.weights as weights
 
