@@ -19,15 +19,17 @@ with random weights; nothing is downloaded:
 - llama: HF ``LlamaForCausalLM``, 4 layers, d=512, 8 heads, vocab 32000; 4 x 128.
 
 Each model is trained the way a user would: their own loop, cross-entropy on the logits,
-``torch.optim.AdamW``. Each mode runs in a process of its own, as a user runs one of them:
-in one process the modes would share the C allocator's heap, and which mode's large
-allocations find free pages there (or fault fresh ones in) would depend on the mode run
-just before (we measured the same O2 LLaMA inference 10% faster or 15% slower than
-autocast by that alone). The parent steps the processes interleaved, one step each in
-turn, so machine noise still hits all modes alike; the median of ``--steps`` steps after
-``--warmup`` is reported. Peak memory is
-the peak of live tensors in a training step (profiler allocation events, each mode in a
-fresh subprocess; ``perf.peak_live_tensors_mib``). Prints a table and writes JSON.
+``torch.optim.AdamW``. Each mode runs in processes of its own (``--processes``, 2 by
+default), as a user runs one of them: in one process the modes would share the C
+allocator's heap, and which mode's large allocations find free pages there (or fault fresh
+ones in) would depend on the mode run just before (we measured the same O2 LLaMA inference
+10% faster or 15% slower than autocast by that alone). Even alone, a process's heap layout
+is one sample that stays with it, so each mode's steps go to its processes in turn
+(``ModeProcesses``). The parent steps the modes interleaved, one step each in turn, so
+machine noise still hits all modes alike; the median of ``--steps`` steps (over all of a
+mode's processes) after ``--warmup`` steps per process is reported. Peak memory is the peak
+of live tensors in a training step (profiler allocation events, each mode in a fresh
+subprocess; ``perf.peak_live_tensors_mib``). Prints a table and writes JSON.
 """
 
 from __future__ import annotations
@@ -170,6 +172,39 @@ class ModeProcess:
         self._proc.join()
 
 
+class ModeProcesses:
+    """A mode running in ``n`` processes of its own, its steps sent to them in turn.
+
+    Whether a step's large fresh allocations fault their pages in or find free ones in the C
+    allocator's heap depends on that heap's layout, which differs from process to process
+    and stays with a process: one process per mode samples it once (we saw the same
+    autocast LLaMA-style inference at 43 ms in one process and 52-57 in others). Medians
+    over the steps of several processes average over it."""
+
+    def __init__(self, name: str, mode: str, args: argparse.Namespace):
+        self.name, self.device = mode, "cpu"
+        self._procs = [ModeProcess(name, mode, args) for _ in range(args.processes)]
+        self._turn = {"train": 0, "infer": 0}
+
+    def ready(self) -> str:
+        return [proc.ready() for proc in self._procs][0]
+
+    def _next(self, what: str) -> ModeProcess:
+        i = self._turn[what]
+        self._turn[what] = i + 1
+        return self._procs[i % len(self._procs)]
+
+    def train_step(self) -> None:
+        self._next("train").train_step()
+
+    def infer(self) -> None:
+        self._next("infer").infer()
+
+    def close(self) -> None:
+        for proc in self._procs:
+            proc.close()
+
+
 def _mode_worker(conn: Any, name: str, mode: str, smoke: bool, device: str, dtype: str,
                  threads: int) -> None:
     torch.set_num_threads(threads)
@@ -235,7 +270,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=2, help="warm-up steps per process")
+    p.add_argument("--processes", type=int, default=2,
+                   help="processes per mode, stepped in turn (see ModeProcesses)")
     p.add_argument("--no-memory", action="store_true")
     p.add_argument("--smoke", action="store_true", help="tiny configs, 1 step: harness check")
     p.add_argument("--json", default="bench_results/real_models.json")
@@ -246,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         memory_probe(args)
         return 0
     if args.smoke:
-        args.steps, args.warmup = 1, 1
+        args.steps, args.warmup, args.processes = 1, 1, 1
     modes = args.modes.split(",")
     results: dict[str, Any] = {
         "machine": {"platform": platform.platform(), "threads": torch.get_num_threads(),
@@ -257,10 +294,11 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": args.dtype, "models": {},
     }
     for name in args.models.split(","):
-        runs = [ModeProcess(name, m, args) for m in modes]
+        runs = [ModeProcesses(name, m, args) for m in modes]
+        warmup = args.warmup * args.processes  # every process warms up
         entry = {"source": [run.ready() for run in runs][0],
-                 "train": time_interleaved(runs, "train", args.steps, args.warmup),
-                 "infer": time_interleaved(runs, "infer", args.steps, args.warmup)}
+                 "train": time_interleaved(runs, "train", args.steps, warmup),
+                 "infer": time_interleaved(runs, "infer", args.steps, warmup)}
         if not args.no_memory:
             entry["peak_tensor_mib"] = {m: peak_memory(args, name, m) for m in modes
                                         if m != "O2-inductor"}
