@@ -279,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--memory-probe", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.low = torch.bfloat16 if args.dtype == "bf16" else torch.float16
+    if args.processes < 1:
+        p.error("--processes must be at least 1")
     if args.memory_probe:
         memory_probe(args)
         return 0

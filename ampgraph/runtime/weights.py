@@ -80,6 +80,8 @@ class _Linear(torch.autograd.Function):
     ``grad_out @ w``, and computes ``grad_out.T @ input`` block of rows by block of rows
     into the scratch, each block converted straight into the fp32 gradient. The values are
     those of ``aten.linear`` on the whole cast weight up to the kernels' summation order.
+    A backward that builds a graph (``create_graph``, a gradient penalty) computes the
+    gradients as plain differentiable ops of the fp32 master instead.
     """
 
     @staticmethod
@@ -93,6 +95,7 @@ class _Linear(torch.autograd.Function):
         ctx.cache = cache
         ctx.blocked = _blockable(x, w)
         ctx.w_ref = cache.keep_grad(w, shared)
+        ctx.master = w  # not saved: an update before backward is allowed, as autocast's
         if ctx.blocked:
             ctx.save_for_backward(x, w)
             return cache.blocked_linear(x, w, bl)
@@ -108,6 +111,13 @@ class _Linear(torch.autograd.Function):
         gx = gw = gb = None
         grad2 = grad.reshape(-1, grad.shape[-1])
         x2 = x.reshape(-1, x.shape[-1])
+        if torch.is_grad_enabled():  # create_graph: a gradient penalty differentiates these
+            wl = ctx.master.to(grad.dtype)  # again, the weight's share through its master
+            gx = grad.matmul(wl) if need_x else None
+            gw = grad2.t().mm(x2).to(ctx.w_dtype) if need_w else None
+            if need_b and ctx.bias_dtype is not None:
+                gb = grad2.sum(0).to(ctx.bias_dtype)
+            return gx, gw, gb, None, None
         if need_x:
             if ctx.blocked:  # wl is the fp32 master
                 gx = ctx.cache.blocked_grad_input(grad2, wl).view(*grad.shape[:-1], -1)

@@ -368,3 +368,44 @@ def test_routed_embedding_gradients_are_aten_s_and_a_kept_table_reuses_its_buffe
     assert held == kept
     if kept:
         assert seen[1] == seen[2]
+
+
+def test_a_backward_that_creates_a_graph_keeps_the_working_copy(monkeypatch):
+    """create_graph=True with retain_graph=False: backward runs with gradients on, where
+    a product into the working copy (``out=``) could not be differentiated."""
+    import ampgraph.runtime.weights as weights
+
+    monkeypatch.setattr(weights, "KEPT_COPY_BYTES", 0)
+    torch.manual_seed(0)
+    model = Net()
+    x = torch.randn(3, 16)
+    gm, _ = compiled(model, x, True)
+    ref, _ = compiled(copy.deepcopy(model), x, False)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    (ga,) = torch.autograd.grad(gm(xa).square().sum(), xa, create_graph=True,
+                                retain_graph=False)
+    (gb,) = torch.autograd.grad(ref(xb).square().sum(), xb, create_graph=True,
+                                retain_graph=False)
+    torch.testing.assert_close(ga, gb)
+
+
+@pytest.mark.parametrize("blocked", [False, True])
+def test_a_gradient_penalty_reaches_the_weights_through_routed_linears(blocked, monkeypatch):
+    """d/dw of |d loss / dx|^2 (WGAN-GP, input-gradient regularisers): with create_graph the
+    linear's gradients are ops of the fp32 master, as aten's linear on a cast weight."""
+    import ampgraph.runtime.weights as weights
+
+    if blocked:
+        monkeypatch.setattr(weights, "SCRATCH_NUMEL", 40)
+        monkeypatch.setattr(weights, "BLOCKED_NUMEL", 40)
+    torch.manual_seed(0)
+    model = Net()
+    x = torch.randn(3, 16)
+    gm, _ = compiled(model, x, True)
+    ref, _ = compiled(copy.deepcopy(model), x, False)
+    for m in (gm, ref):
+        xm = x.clone().requires_grad_()
+        (g,) = torch.autograd.grad(m(xm).square().sum(), xm, create_graph=True)
+        g.square().sum().backward()
+    for (name, p), q in zip(gm.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=2e-2, atol=2e-2, msg=name)
