@@ -147,17 +147,42 @@ def _(grad, q, k, v, p, keep, scale, dropout_p=0.0):
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-    q, k, v, _, _, scale, dropout_p = inputs
-    ctx.save_for_backward(q, k, v, output[1], output[2])
+    q, k, v, attn_mask, is_causal, scale, dropout_p = inputs
+    ctx.save_for_backward(q, k, v, output[1], output[2], attn_mask)
     ctx.mark_non_differentiable(output[1], output[2])
-    ctx.scale, ctx.dropout_p = scale, dropout_p
+    ctx.scale, ctx.dropout_p, ctx.is_causal = scale, dropout_p, is_causal
 
 
 def _backward(ctx: Any, grad: torch.Tensor, _: Any, __: Any) -> tuple:
-    q, k, v, p, keep = ctx.saved_tensors
-    dq, dk, dv = torch.ops.ampgraph.attention_backward(grad, q, k, v, p, keep, ctx.scale,
-                                                       ctx.dropout_p)
+    q, k, v, p, keep, attn_mask = ctx.saved_tensors
+    if torch.is_grad_enabled():  # create_graph (a gradient penalty): differentiable ops
+        out = _differentiable(q, k, v, attn_mask, ctx.is_causal, ctx.scale, ctx.dropout_p,
+                              keep)
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad, create_graph=True)
+    else:
+        dq, dk, dv = torch.ops.ampgraph.attention_backward(grad, q, k, v, p, keep, ctx.scale,
+                                                           ctx.dropout_p)
     return dq, dk, dv, None, None, None, None
+
+
+def _differentiable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    attn_mask: torch.Tensor | None, is_causal: bool, scale: float,
+                    dropout_p: float, keep: torch.Tensor) -> torch.Tensor:
+    """``ampgraph::attention``'s output as plain differentiable ops, with the dropout it
+    drew (``keep``): what a backward that builds a graph differentiates."""
+    s = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scale
+    if is_causal:
+        causal = torch.ones(s.shape[-2], s.shape[-1], dtype=torch.bool, device=s.device).tril()
+        s = s.masked_fill(~causal, -math.inf)
+    if attn_mask is not None:
+        s = s.masked_fill(~attn_mask, -math.inf) if attn_mask.dtype == torch.bool \
+            else s + attn_mask
+    p = torch.softmax(s, -1)
+    if attn_mask is not None or is_causal:
+        p = p.masked_fill(s.amax(-1, keepdim=True) == -math.inf, 0.0)
+    if dropout_p:
+        p = p * keep.to(p.dtype) / (1 - dropout_p)
+    return torch.matmul(p.to(q.dtype), v)
 
 
 _attention.register_autograd(_backward, setup_context=_setup_context)

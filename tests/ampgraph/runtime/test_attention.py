@@ -276,3 +276,24 @@ def test_a_boolean_mask_that_masks_nothing_is_dropped(training):
         assert not masked_ops
         assert torch.equal(out, amp_attention(q, k, v))
         assert not torch.equal(amp_attention(q, k, v, one_off), out)
+
+
+@pytest.mark.parametrize("kind,dropout", [("bool", 0.0), ("causal", 0.0), ("none", 0.3)])
+def test_a_gradient_penalty_differentiates_the_unfused_attention_twice(kind, dropout):
+    """create_graph=True through ``ampgraph::attention`` (its backward then runs as plain
+    differentiable ops, with the dropout it drew): second-order gradients agree with aten's
+    math path under the same seed."""
+    q, k, v = qkv()
+    mask, causal = masks(4, 16, 16)[kind]
+    assert unfused_pays(q, k, v, mask, dropout, False)
+    second = []
+    for fn in (amp_attention, F.scaled_dot_product_attention):
+        torch.manual_seed(7)
+        with sdpa_kernel([SDPBackend.MATH]):
+            out = fn(q, k, v, mask, dropout, is_causal=causal)
+        if fn is amp_attention:
+            assert "ampgraph_attention" in out.grad_fn.name()
+        (gq,) = torch.autograd.grad(out.float().square().sum(), q, create_graph=True)
+        second.append(torch.autograd.grad(gq.float().square().sum(), (q, k, v)))
+    for a, b in zip(*second):
+        assert cos(a, b) >= 0.99
