@@ -97,6 +97,21 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                dropout_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dropout(softmax(q k^T * scale + mask)) v, the rounded probabilities before dropout,
     the kept positions: a bool mask, empty without dropout)."""
+    p = _probabilities(q, k, attn_mask, is_causal, scale)
+    if not dropout_p:
+        p = p.to(q.dtype)
+        return torch.matmul(p, v), p, q.new_empty((0,), dtype=torch.bool)
+    noise = torch.empty_like(p).bernoulli_(1 - dropout_p)  # aten's draw, same generator
+    keep = noise.bool()
+    dropped = p.mul(noise.div_(1 - dropout_p)).to(q.dtype)
+    return torch.matmul(dropped, v), p.to(q.dtype), keep
+
+
+def _probabilities(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None,
+                   is_causal: bool, scale: float, graph: bool = False) -> torch.Tensor:
+    """softmax(q k^T * scale + mask) in fp32 from the 16-bit ``q`` and ``k``; in place but
+    where autograd needs the softmax's output (``graph``: a backward that builds a graph
+    differentiates it)."""
     s = torch.matmul(q.float(), k.float().transpose(-2, -1)).mul_(scale)
     if is_causal:  # top-left aligned, as aten
         keep = torch.ones(s.shape[-2], s.shape[-1], dtype=torch.bool, device=s.device).tril()
@@ -106,14 +121,9 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             else s.add_(attn_mask)
     p = torch.softmax(s, -1)
     if attn_mask is not None or is_causal:  # rows with every key masked: 0, as aten
-        p = p.masked_fill_(s.amax(-1, keepdim=True) == -math.inf, 0.0)
-    if not dropout_p:
-        p = p.to(q.dtype)
-        return torch.matmul(p, v), p, q.new_empty((0,), dtype=torch.bool)
-    noise = torch.empty_like(p).bernoulli_(1 - dropout_p)  # aten's draw, same generator
-    keep = noise.bool()
-    dropped = p.mul(noise.div_(1 - dropout_p)).to(q.dtype)
-    return torch.matmul(dropped, v), p.to(q.dtype), keep
+        empty = s.amax(-1, keepdim=True) == -math.inf
+        p = p.masked_fill(empty, 0.0) if graph else p.masked_fill_(empty, 0.0)
+    return p
 
 
 @_attention.register_fake
@@ -170,18 +180,9 @@ def _differentiable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     dropout_p: float, keep: torch.Tensor) -> torch.Tensor:
     """``ampgraph::attention``'s output as plain differentiable ops, with the dropout it
     drew (``keep``): what a backward that builds a graph differentiates."""
-    s = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scale
-    if is_causal:
-        causal = torch.ones(s.shape[-2], s.shape[-1], dtype=torch.bool, device=s.device).tril()
-        s = s.masked_fill(~causal, -math.inf)
-    if attn_mask is not None:
-        s = s.masked_fill(~attn_mask, -math.inf) if attn_mask.dtype == torch.bool \
-            else s + attn_mask
-    p = torch.softmax(s, -1)
-    if attn_mask is not None or is_causal:
-        p = p.masked_fill(s.amax(-1, keepdim=True) == -math.inf, 0.0)
+    p = _probabilities(q, k, attn_mask, is_causal, scale, graph=True)
     if dropout_p:
-        p = p * keep.to(p.dtype) / (1 - dropout_p)
+        p = p.mul(keep.to(p.dtype).div_(1 - dropout_p))
     return torch.matmul(p.to(q.dtype), v)
 
 

@@ -111,25 +111,24 @@ class _Linear(torch.autograd.Function):
         gx = gw = gb = None
         grad2 = grad.reshape(-1, grad.shape[-1])
         x2 = x.reshape(-1, x.shape[-1])
-        if torch.is_grad_enabled():  # create_graph: a gradient penalty differentiates these
-            wl = ctx.master.to(grad.dtype)  # again, the weight's share through its master
-            gx = grad.matmul(wl) if need_x else None
-            gw = grad2.t().mm(x2).to(ctx.w_dtype) if need_w else None
-            if need_b and ctx.bias_dtype is not None:
-                gb = grad2.sum(0).to(ctx.bias_dtype)
-            return gx, gw, gb, None, None
+        # create_graph (a gradient penalty differentiates these again): plain ops, and the
+        # weight's share through its master, to which the working copy has no graph
+        graph = torch.is_grad_enabled()
+        blocked = ctx.blocked and not graph
+        if graph:
+            wl = ctx.master.to(grad.dtype)
         if need_x:
-            if ctx.blocked:  # wl is the fp32 master
+            if blocked:  # wl is the fp32 master
                 gx = ctx.cache.blocked_grad_input(grad2, wl).view(*grad.shape[:-1], -1)
             else:
                 gx = grad.matmul(wl)
         if need_w:
-            out = ctx.cache.kept_grad(ctx.w_ref)
-            if ctx.blocked:
+            out = None if graph else ctx.cache.kept_grad(ctx.w_ref)
+            if blocked:
                 gw = ctx.cache.blocked_weight_grad(grad2, x2, ctx.w_dtype, out)
             else:  # into the working copy once nothing reads it again, else a fresh tensor
-                low = torch.mm(grad2.t(), x2, out=wl) if _dead(wl, ctx.wl_owned) \
-                    else grad2.t().mm(x2)
+                low = torch.mm(grad2.t(), x2, out=wl) \
+                    if not graph and _dead(wl, ctx.wl_owned) else grad2.t().mm(x2)
                 gw = low.to(ctx.w_dtype) if out is None else out.copy_(low)
         if need_b and ctx.bias_dtype is not None:
             gb = grad2.sum(0).to(ctx.bias_dtype)  # summed in the low dtype, as aten's

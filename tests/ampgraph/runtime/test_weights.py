@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+import ampgraph.runtime.weights as weights
 from ampgraph.runtime.weights import WeightCache
 from passes.fx import run_amp_passes
 from passes.policy import make_policy
@@ -34,19 +35,30 @@ def compiled(model, x, fused):
     return gm, cache
 
 
+def fused_and_plain(model, x):
+    """``model`` compiled with the runtime's linears and embeddings, with its cache, and a
+    deep copy compiled without them: (fused, cache, plain)."""
+    fused, cache = compiled(model, x, True)
+    plain, _ = compiled(copy.deepcopy(model), x, False)
+    return fused, cache, plain
+
+
+def blocks(monkeypatch, scratch, blocked=None):
+    """Cast and compute weights of ``blocked`` (default: ``scratch``) elements or more block
+    by block, ``scratch`` elements at a time."""
+    monkeypatch.setattr(weights, "SCRATCH_NUMEL", scratch)
+    monkeypatch.setattr(weights, "BLOCKED_NUMEL", scratch if blocked is None else blocked)
+
+
 @pytest.mark.parametrize("block", [None, 40])  # one block, or 2-3 rows per block
 def test_routed_linears_give_the_same_outputs_and_gradients_as_aten_linear(block, monkeypatch):
-    import ampgraph.runtime.weights as weights
-
     if block is not None:
-        monkeypatch.setattr(weights, "SCRATCH_NUMEL", block)
-        monkeypatch.setattr(weights, "BLOCKED_NUMEL", block)
+        blocks(monkeypatch, block)
     torch.manual_seed(0)
     for shape in ((5, 16), (2, 3, 16)):  # 2-D and batched inputs
         model = Net()
         x = torch.randn(*shape)
-        fused, cache = compiled(model, x, True)
-        plain, _ = compiled(copy.deepcopy(model), x, False)
+        fused, cache, plain = fused_and_plain(model, x)
         targets = [n.target for n in fused.graph.nodes if n.op == "call_function"]
         assert targets.count(cache.amp_linear) == 2, "fc1 and fc3; fc2's cast is shared"
         assert targets.count(torch.ops.aten.linear.default) == 2
@@ -71,10 +83,7 @@ def test_routed_linears_give_the_same_outputs_and_gradients_as_aten_linear(block
 
 
 def test_working_copies_and_scratch_are_reused_across_steps(monkeypatch):
-    import ampgraph.runtime.weights as weights
-
-    monkeypatch.setattr(weights, "SCRATCH_NUMEL", 64)  # fc1 and fc3 blocked, fc2 cast whole
-    monkeypatch.setattr(weights, "BLOCKED_NUMEL", 64)
+    blocks(monkeypatch, 64)  # fc1 and fc3 blocked, fc2 cast whole
     monkeypatch.setattr(weights, "KEPT_COPY_BYTES", 0)  # fc2's copy is kept, however small
     torch.manual_seed(0)
     model = Net()
@@ -97,8 +106,7 @@ def test_two_forwards_then_one_backward_with_routed_linears():
     torch.manual_seed(0)
     model = Net()
     x1, x2 = torch.randn(3, 16), torch.randn(3, 16)
-    gm, _ = compiled(model, x1, True)
-    ref, _ = compiled(copy.deepcopy(model), x1, False)
+    gm, _, ref = fused_and_plain(model, x1)
     (gm(x1).square().sum() + gm(x2).square().sum()).backward()
     (ref(x1).square().sum() + ref(x2).square().sum()).backward()
     for p, q in zip(gm.parameters(), ref.parameters()):
@@ -107,14 +115,11 @@ def test_two_forwards_then_one_backward_with_routed_linears():
 
 def test_the_weight_gradient_is_made_in_the_dead_working_copy_unless_the_graph_is_retained(
         monkeypatch):
-    import ampgraph.runtime.weights as weights
-
     monkeypatch.setattr(weights, "KEPT_COPY_BYTES", 0)  # fc1's and fc3's copies are kept
     torch.manual_seed(0)
     model = Net()
     x = torch.randn(3, 16)
-    gm, cache = compiled(model, x, True)
-    ref, _ = compiled(copy.deepcopy(model), x, False)
+    gm, cache, ref = fused_and_plain(model, x)
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
     loss_a, loss_b = gm(xa).square().sum(), ref(xb).square().sum()
     for _ in range(2):  # the second backward reads the working copies again
@@ -136,11 +141,7 @@ def test_the_weight_gradient_is_made_in_the_dead_working_copy_unless_the_graph_i
 
 
 def test_blocked_linear_checks_the_master_is_unchanged_before_backward(monkeypatch):
-    import ampgraph.runtime.weights as weights
-
-    monkeypatch.setattr(weights, "SCRATCH_NUMEL", 40)
-
-    monkeypatch.setattr(weights, "BLOCKED_NUMEL", 40)
+    blocks(monkeypatch, 40)
     model = Net()
     x = torch.randn(3, 16)
     gm, _ = compiled(model, x, True)
@@ -155,8 +156,6 @@ def test_a_large_linear_keeps_no_whole_low_precision_copy_of_its_weight(monkeypa
     """Peak live tensors of a steady-state step, counted from before the first step (so
     buffers kept between steps count): the fp32 gradient plus less than a bf16 copy."""
     import time
-
-    import ampgraph.runtime.weights as weights
 
     monkeypatch.setattr(weights, "BLOCKED_NUMEL", weights.SCRATCH_NUMEL)  # 2M: blocked
 
@@ -183,11 +182,7 @@ def test_a_large_linear_keeps_no_whole_low_precision_copy_of_its_weight(monkeypa
 
 
 def test_training_drops_the_inference_copies(monkeypatch):
-    import ampgraph.runtime.weights as weights
-
-    monkeypatch.setattr(weights, "SCRATCH_NUMEL", 40)  # fc1/fc3 blocked, fc2 cast whole
-
-    monkeypatch.setattr(weights, "BLOCKED_NUMEL", 40)
+    blocks(monkeypatch, 40)  # fc1/fc3 blocked, fc2 cast whole
     model = Net()
     x = torch.randn(3, 16)
     gm, cache = compiled(model, x, True)
@@ -220,15 +215,11 @@ def test_a_tied_weight_sums_its_two_gradients_in_place(blocked, monkeypatch):
     """The head's gradient arrives first: it must be a tensor nothing else holds, so that
     autograd adds the embedding's into it in place (the buffer a blocked weight's gradient
     goes into, kept by the cache, would cost an out-of-place, table-sized add every step)."""
-    import ampgraph.runtime.weights as weights
-
     if blocked:
-        monkeypatch.setattr(weights, "SCRATCH_NUMEL", 200)
-        monkeypatch.setattr(weights, "BLOCKED_NUMEL", 200)
+        blocks(monkeypatch, 200)
     torch.manual_seed(0)
     model, ids = TiedHead(), torch.randint(0, 50, (4, 8))
-    gm, cache = compiled(model, ids, True)
-    plain, _ = compiled(copy.deepcopy(model), ids, False)
+    gm, cache, plain = fused_and_plain(model, ids)
     (head,) = [n for n in gm.graph.nodes if n.target == cache.amp_linear
                and n.args[1].target == "head.weight"]
     assert head.kwargs == {"shared": True}
@@ -253,17 +244,13 @@ def test_a_large_gradient_buffer_is_kept_only_while_the_last_gradient_outlives_f
     one reuses its storage. zero_grad before forward: nothing is kept (a kept buffer would
     add a whole gradient to the forward's peak), and without zero_grad the gradients add
     up as autograd's do."""
-    import ampgraph.runtime.weights as weights
-
     monkeypatch.setattr(weights, "KEPT_GRAD_NUMEL", 512)  # fc1 (fc2 is used twice)
     if blocked:
-        monkeypatch.setattr(weights, "SCRATCH_NUMEL", 64)
-        monkeypatch.setattr(weights, "BLOCKED_NUMEL", 512)
+        blocks(monkeypatch, 64, 512)
     torch.manual_seed(0)
     model = Net()
     x = torch.randn(4, 16)
-    gm, cache = compiled(model, x, True)
-    plain, _ = compiled(copy.deepcopy(model), x, False)
+    gm, cache, plain = fused_and_plain(model, x)
     w = model.fc1.weight
 
     def storages(zero_first, steps=4):
@@ -299,8 +286,7 @@ def test_conv_weights_of_a_channels_last_graph_are_cast_channels_last():
                           nn.Conv2d(8, 8, 3, padding=1), nn.AdaptiveAvgPool2d(1),
                           nn.Flatten(), nn.Linear(8, 4))
     x = torch.randn(2, 3, 8, 8)
-    gm, cache = compiled(model, x, True)
-    plain, _ = compiled(copy.deepcopy(model), x, False)
+    gm, cache, plain = fused_and_plain(model, x)
     conv_casts = [n for n in gm.graph.nodes if n.target == cache.cast
                   and n.kwargs.get("memory_format") == torch.channels_last]
     assert sorted(n.args[0].target for n in conv_casts) == ["0.weight", "3.weight"]
@@ -342,16 +328,13 @@ def test_routed_embedding_gradients_are_aten_s_and_a_kept_table_reuses_its_buffe
         kept, monkeypatch):
     """The same sums in the same order as aten's embedding backward (the padding row gets
     none), into a buffer reused across steps where the last gradient outlives forward."""
-    import ampgraph.runtime.weights as weights
-
     if kept:
         monkeypatch.setattr(weights, "KEPT_GRAD_NUMEL", 800)  # the 50x16 table
     torch.manual_seed(0)
     model = Lookup()
     ids = torch.randint(0, 50, (4, 12))
     ids[0, :3] = 0
-    gm, cache = compiled(model, ids, True)
-    plain, _ = compiled(copy.deepcopy(model), ids, False)
+    gm, cache, plain = fused_and_plain(model, ids)
     assert any(n.target == cache.amp_embedding for n in gm.graph.nodes)
     seen = []
     for _ in range(3):
@@ -373,14 +356,11 @@ def test_routed_embedding_gradients_are_aten_s_and_a_kept_table_reuses_its_buffe
 def test_a_backward_that_creates_a_graph_keeps_the_working_copy(monkeypatch):
     """create_graph=True with retain_graph=False: backward runs with gradients on, where
     a product into the working copy (``out=``) could not be differentiated."""
-    import ampgraph.runtime.weights as weights
-
     monkeypatch.setattr(weights, "KEPT_COPY_BYTES", 0)
     torch.manual_seed(0)
     model = Net()
     x = torch.randn(3, 16)
-    gm, _ = compiled(model, x, True)
-    ref, _ = compiled(copy.deepcopy(model), x, False)
+    gm, _, ref = fused_and_plain(model, x)
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
     (ga,) = torch.autograd.grad(gm(xa).square().sum(), xa, create_graph=True,
                                 retain_graph=False)
@@ -393,16 +373,12 @@ def test_a_backward_that_creates_a_graph_keeps_the_working_copy(monkeypatch):
 def test_a_gradient_penalty_reaches_the_weights_through_routed_linears(blocked, monkeypatch):
     """d/dw of |d loss / dx|^2 (WGAN-GP, input-gradient regularisers): with create_graph the
     linear's gradients are ops of the fp32 master, as aten's linear on a cast weight."""
-    import ampgraph.runtime.weights as weights
-
     if blocked:
-        monkeypatch.setattr(weights, "SCRATCH_NUMEL", 40)
-        monkeypatch.setattr(weights, "BLOCKED_NUMEL", 40)
+        blocks(monkeypatch, 40)
     torch.manual_seed(0)
     model = Net()
     x = torch.randn(3, 16)
-    gm, _ = compiled(model, x, True)
-    ref, _ = compiled(copy.deepcopy(model), x, False)
+    gm, _, ref = fused_and_plain(model, x)
     for m in (gm, ref):
         xm = x.clone().requires_grad_()
         (g,) = torch.autograd.grad(m(xm).square().sum(), xm, create_graph=True)
