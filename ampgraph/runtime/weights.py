@@ -70,7 +70,8 @@ class _Linear(torch.autograd.Function):
     gradients fused in (a bias already in ``x``'s dtype is used as it is).
 
     A weight below ``BLOCKED_NUMEL`` elements is cast into its working copy (see
-    :meth:`WeightCache.working_copy`), which ``aten.linear`` uses and backward keeps; once
+    :meth:`WeightCache.working_copy`; unless backward would not read it, see
+    :func:`_blockable`), which ``aten.linear`` uses and backward keeps; once
     backward has made ``grad_input`` the copy is dead, and ``grad_out.T @ input`` is
     computed into it before its conversion to fp32 (no fresh low-precision gradient). A
     larger one never exists in the low dtype as a whole: forward casts it block of rows by
@@ -93,11 +94,11 @@ class _Linear(torch.autograd.Function):
         ctx.bias_dtype = b.dtype if b is not None else None
         ctx.w_dtype = w.dtype
         ctx.cache = cache
-        ctx.blocked = _blockable(x, w)
+        ctx.blocked = _blockable(x, w, ctx.needs_input_grad[0])
         ctx.w_ref = cache.keep_grad(w, shared)
         ctx.master = w  # not saved: an update before backward is allowed, as autocast's
-        if ctx.blocked:
-            ctx.save_for_backward(x, w)
+        if ctx.blocked:  # backward reads the master only for grad_input
+            ctx.save_for_backward(x, w if ctx.needs_input_grad[0] else None)
             return cache.blocked_linear(x, w, bl)
         wl = cache.working_copy(w, x.dtype)
         ctx.wl_owned = wl.data_ptr() != w.data_ptr()
@@ -173,11 +174,16 @@ def _dead(wl: torch.Tensor, owned: bool) -> bool:
     return owned and wl.is_contiguous() and keep_graph is not None and not keep_graph()
 
 
-def _blockable(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether :class:`_Linear` runs ``w`` in blocks: a large plain 2-D weight, an input
-    with a batch dimension, both on the CPU (where fresh or extra weight-sized memory costs
-    page faults; a GPU runs one large product faster than many small ones)."""
-    return (w.numel() >= BLOCKED_NUMEL and w.dim() == 2 and x.dim() >= 2
+def _blockable(x: torch.Tensor, w: torch.Tensor, need_x: bool) -> bool:
+    """Whether :class:`_Linear` runs ``w`` in blocks: a plain 2-D weight, an input with a
+    batch dimension, both on the CPU (where fresh or extra weight-sized memory costs page
+    faults; a GPU runs one large product faster than many small ones), and either a large
+    weight or one whose working copy would be kept (``KEPT_COPY_BYTES``) though backward
+    never reads it: the input needs no gradient (a network's first layer), so autocast's
+    copy dies after forward, and a kept one would be live at the backward's peak."""
+    size = (w.numel() >= BLOCKED_NUMEL
+            or not need_x and w.numel() * x.dtype.itemsize >= KEPT_COPY_BYTES)
+    return (size and w.dim() == 2 and x.dim() >= 2
             and w.layout == torch.strided and x.layout == torch.strided
             and w.device.type == "cpu" and x.device.type == "cpu")
 
@@ -193,8 +199,11 @@ BLOCKED_NUMEL = 1 << 26
 # A fresh gradient of 32 MiB or more (glibc's largest mmap threshold) is mmapped, and its
 # pages fault in, every step; converting into a kept buffer was 2.5x faster than a fresh
 # .to(). Keeping the 32000x512 head's gradient took LLaMA-style training from 0.93x to
-# 1.09-1.27x autocast, at the same peak.
-KEPT_GRAD_NUMEL = 1 << 23
+# 1.09-1.27x autocast, at the same peak. From 16 MiB a fresh one faults often enough too:
+# keeping the reference MLP's two 4096x1024 gradients took its O2 step from 1.24x the
+# all-bf16 floor to 1.12x, with no fault left (its peak stays below autocast's once its
+# first layer keeps no working copy: see _blockable).
+KEPT_GRAD_NUMEL = 1 << 22
 KEPT_COPY_BYTES = 128 << 10  # glibc's default (smallest) mmap threshold
 SCRATCH_NUMEL = 1 << 20  # elements of low-precision weight gradient computed per block
 MAX_SCRATCH = 4  # pooled scratches per shape (threads running backward at once)

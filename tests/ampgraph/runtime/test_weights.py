@@ -133,11 +133,34 @@ def test_the_weight_gradient_is_made_in_the_dead_working_copy_unless_the_graph_i
     del loss_a  # frees the retained graph and its hold on the copies
     for p in model.parameters():
         p.grad = None
-    gm(x).square().sum().backward()  # not retained: the copies hold the bf16 gradients
+    gm(xa).square().sum().backward()  # not retained: the copies hold the bf16 gradients
     copies = {t.shape: t for t in cache.train_copies() if t.dim() == 2}
     for fc in (model.fc1, model.fc3):
         torch.testing.assert_close(copies[tuple(fc.weight.shape)].float(), fc.weight.grad,
                                    rtol=0, atol=0)
+
+
+def test_a_first_layer_keeps_no_working_copy_that_backward_would_not_read(monkeypatch):
+    """An input without gradient (a network's first layer): backward needs no ``grad @ w``,
+    so the weight is cast block by block in forward and no whole copy outlives it (as
+    autocast's dies after forward); the gradients are aten's."""
+    monkeypatch.setattr(weights, "KEPT_COPY_BYTES", 0)  # every whole copy would be kept
+    monkeypatch.setattr(weights, "SCRATCH_NUMEL", 64)  # fc1 in blocks of 4 rows
+    torch.manual_seed(0)
+    model = Net()
+    x = torch.randn(3, 16)
+    gm, cache, ref = fused_and_plain(model, x)
+    for _ in range(2):  # the second step reuses the buffers
+        for m in (gm, ref):
+            m.zero_grad(set_to_none=True)
+            m(x).square().sum().backward()
+        for p, q in zip(gm.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
+    shapes = {tuple(t.shape) for t in cache.train_copies()}
+    assert (32, 16) not in shapes and (8, 32) in shapes, shapes  # fc1 none, fc3 kept
+    assert ((4, 16), torch.bfloat16, x.device) in cache._scratch
+    gm(x.clone().requires_grad_()).sum().backward()  # needs grad @ w: a whole copy again
+    assert (32, 16) in {tuple(t.shape) for t in cache.train_copies()}
 
 
 def test_blocked_linear_checks_the_master_is_unchanged_before_backward(monkeypatch):
@@ -147,7 +170,7 @@ def test_blocked_linear_checks_the_master_is_unchanged_before_backward(monkeypat
     gm, _ = compiled(model, x, True)
     loss = gm(x).square().sum()
     with torch.no_grad():
-        model.fc1.weight.add_(1.0)  # an update between forward and backward, as for fp32
+        model.fc3.weight.add_(1.0)  # an update between forward and backward, as for fp32
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
 
