@@ -221,7 +221,9 @@ def test_training_working_copies_are_reused_and_never_overwritten_while_in_use(m
     model = Tiny()
     reference = __import__("copy").deepcopy(model)
     net = ampgraph.compile(model, "O2", "bf16")
-    x1, x2 = torch.randn(3, 8), torch.randn(3, 8)
+    # inputs that need gradients: fc1's backward reads its working copy (a first layer's
+    # would be cast block by block and kept nowhere)
+    x1, x2 = torch.randn(3, 8, requires_grad=True), torch.randn(3, 8, requires_grad=True)
     # two forwards before one backward: the first graph's saved weights must survive
     loss = net(x1).square().sum() + net(x2).square().sum()
     loss.backward()
