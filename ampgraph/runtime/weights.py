@@ -178,11 +178,11 @@ def _blockable(x: torch.Tensor, w: torch.Tensor, need_x: bool) -> bool:
     """Whether :class:`_Linear` runs ``w`` in blocks: a plain 2-D weight, an input with a
     batch dimension, both on the CPU (where fresh or extra weight-sized memory costs page
     faults; a GPU runs one large product faster than many small ones), and either a large
-    weight or one whose working copy would be kept (``KEPT_COPY_BYTES``) though backward
-    never reads it: the input needs no gradient (a network's first layer), so autocast's
-    copy dies after forward, and a kept one would be live at the backward's peak."""
-    size = (w.numel() >= BLOCKED_NUMEL
-            or not need_x and w.numel() * x.dtype.itemsize >= KEPT_COPY_BYTES)
+    weight or one larger than the scratch whose backward never reads a copy: the input
+    needs no gradient (a network's first layer), so autocast's copy dies after forward,
+    and a kept one would be live at the backward's peak (a smaller one would keep a
+    pooled scratch its size instead)."""
+    size = w.numel() >= BLOCKED_NUMEL or not need_x and w.numel() > SCRATCH_NUMEL
     return (size and w.dim() == 2 and x.dim() >= 2
             and w.layout == torch.strided and x.layout == torch.strided
             and w.device.type == "cpu" and x.device.type == "cpu")

@@ -145,7 +145,7 @@ def test_a_first_layer_keeps_no_working_copy_that_backward_would_not_read(monkey
     so the weight is cast block by block in forward and no whole copy outlives it (as
     autocast's dies after forward); the gradients are aten's."""
     monkeypatch.setattr(weights, "KEPT_COPY_BYTES", 0)  # every whole copy would be kept
-    monkeypatch.setattr(weights, "SCRATCH_NUMEL", 64)  # fc1 in blocks of 4 rows
+    monkeypatch.setattr(weights, "SCRATCH_NUMEL", 64)  # fc1 (512) in blocks of 4 rows
     torch.manual_seed(0)
     model = Net()
     x = torch.randn(3, 16)
@@ -159,6 +159,11 @@ def test_a_first_layer_keeps_no_working_copy_that_backward_would_not_read(monkey
     shapes = {tuple(t.shape) for t in cache.train_copies()}
     assert (32, 16) not in shapes and (8, 32) in shapes, shapes  # fc1 none, fc3 kept
     assert ((4, 16), torch.bfloat16, x.device) in cache._scratch
+    monkeypatch.setattr(weights, "SCRATCH_NUMEL", 512)  # fc1 in one block: a copy is kept
+    gm(x).sum().backward()
+    assert (32, 16) in {tuple(t.shape) for t in cache.train_copies()}
+    cache.clear()
+    monkeypatch.setattr(weights, "SCRATCH_NUMEL", 64)
     gm(x.clone().requires_grad_()).sum().backward()  # needs grad @ w: a whole copy again
     assert (32, 16) in {tuple(t.shape) for t in cache.train_copies()}
 
