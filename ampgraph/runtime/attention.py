@@ -17,14 +17,15 @@ and dropout noise are kept for backward. Those calls always run unfused here, wi
 low-precision matmuls and the same dropout as aten's math path: the noise is drawn by
 ``bernoulli_(1 - p)`` on an fp32 tensor of the probabilities' shape from the default
 generator, as aten draws it, so under the same seed the same positions are dropped, and the
-kept ones are scaled by ``1 / (1 - p)``. Backward keeps the bf16 probabilities and a bool
-mask (3 bytes per score instead of aten's 8).
+kept ones are scaled by ``1 / (1 - p)``. Backward keeps the bf16 probabilities and the bf16
+dropped ones that ``v`` was multiplied by (4 bytes per score instead of aten's 8), so no
+mask is converted again: its derivative comes through the latter.
 
 The numbers follow the fused kernel's: scores are computed, scaled and masked in fp32 from
 the 16-bit ``q`` and ``k``, the softmax is fp32 (rows with every key masked give 0, as
-aten's), and the probabilities are rounded to the input dtype once for ``p @ v``. Backward
-uses those rounded probabilities (the ones forward multiplied ``v`` by); the products with
-``grad`` are bf16 matmuls and the softmax derivative is taken in fp32 from them.
+aten's), and the probabilities (with dropout: dropped and scaled) are rounded to the input
+dtype once for ``p @ v``. Backward uses the rounded ones forward multiplied ``v`` by; the
+products with ``grad`` are bf16 matmuls and the softmax derivative is taken in fp32.
 """
 
 from __future__ import annotations
@@ -95,16 +96,16 @@ def _fits(shape: torch.Size, target: tuple) -> bool:
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                attn_mask: torch.Tensor | None, is_causal: bool, scale: float,
                dropout_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dropout(softmax(q k^T * scale + mask)) v, the rounded probabilities before dropout,
-    the kept positions: a bool mask, empty without dropout)."""
+    """(dropout(softmax(q k^T * scale + mask)) v, the probabilities rounded to q's dtype,
+    and with dropout the dropped and scaled ones that ``v`` was multiplied by, rounded once;
+    empty without dropout, where those are the probabilities themselves)."""
     p = _probabilities(q, k, attn_mask, is_causal, scale)
+    low = p.to(q.dtype)
     if not dropout_p:
-        p = p.to(q.dtype)
-        return torch.matmul(p, v), p, q.new_empty((0,), dtype=torch.bool)
+        return torch.matmul(low, v), low, q.new_empty((0,))
     noise = torch.empty_like(p).bernoulli_(1 - dropout_p)  # aten's draw, same generator
-    keep = noise.bool()
-    dropped = p.mul(noise.div_(1 - dropout_p)).to(q.dtype)
-    return torch.matmul(dropped, v), p.to(q.dtype), keep
+    dropped = p.mul_(noise.div_(1 - dropout_p)).to(q.dtype)
+    return torch.matmul(dropped, v), low, dropped
 
 
 def _probabilities(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None,
@@ -130,29 +131,26 @@ def _probabilities(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | N
 def _(q, k, v, attn_mask, is_causal, scale, dropout_p=0.0):
     scores = (*q.shape[:-1], k.shape[-2])
     return (q.new_empty((*q.shape[:-1], v.shape[-1])), q.new_empty(scores),
-            q.new_empty(scores if dropout_p else (0,), dtype=torch.bool))
+            q.new_empty(scores if dropout_p else (0,)))
 
 
 @torch.library.custom_op("ampgraph::attention_backward", mutates_args=())
 def _attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                        v: torch.Tensor, p: torch.Tensor, keep: torch.Tensor, scale: float,
-                        dropout_p: float = 0.0
+                        v: torch.Tensor, p: torch.Tensor, dropped: torch.Tensor, scale: float
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) from the rounded probabilities (and the kept positions, with dropout),
-    the softmax derivative in fp32."""
-    if dropout_p:
-        kept = keep.to(p.dtype).mul_(1 / (1 - dropout_p))
-        dv = torch.matmul(p.mul(kept).transpose(-2, -1), grad)
-        dp = torch.matmul(grad, v.transpose(-2, -1)).float().mul_(kept)
-    else:
-        dv = torch.matmul(p.transpose(-2, -1), grad)
-        dp = torch.matmul(grad, v.transpose(-2, -1)).float()
-    ds = dp.sub_((dp * p).sum(-1, keepdim=True)).mul_(p).mul_(scale).to(q.dtype)
+    """(dq, dk, dv) from the rounded probabilities ``p`` and the ones ``v`` was multiplied
+    by (``dropped``, or ``p`` where it is empty). With ``d`` those and ``dd = grad v^T``,
+    the softmax derivative, in fp32, is ``(dd*d - p * rowsum(dd*d)) * scale``: dropout's
+    mask and ``1 / (1 - dropout_p)`` enter through ``d`` (``p * dp = dd * d``)."""
+    d = dropped if dropped.numel() else p
+    dv = torch.matmul(d.transpose(-2, -1), grad)
+    t = torch.matmul(grad, v.transpose(-2, -1)).float().mul_(d)
+    ds = t.addcmul_(p, t.sum(-1, keepdim=True), value=-1).mul_(scale).to(q.dtype)
     return torch.matmul(ds, k), torch.matmul(ds.transpose(-2, -1), q), dv
 
 
 @_attention_backward.register_fake
-def _(grad, q, k, v, p, keep, scale, dropout_p=0.0):
+def _(grad, q, k, v, p, dropped, scale):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous
 
 
@@ -164,25 +162,27 @@ def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
 
 
 def _backward(ctx: Any, grad: torch.Tensor, _: Any, __: Any) -> tuple:
-    q, k, v, p, keep, attn_mask = ctx.saved_tensors
+    q, k, v, p, dropped, attn_mask = ctx.saved_tensors
     if torch.is_grad_enabled():  # create_graph (a gradient penalty): differentiable ops
         out = _differentiable(q, k, v, attn_mask, ctx.is_causal, ctx.scale, ctx.dropout_p,
-                              keep)
+                              dropped)
         dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad, create_graph=True)
     else:
-        dq, dk, dv = torch.ops.ampgraph.attention_backward(grad, q, k, v, p, keep, ctx.scale,
-                                                           ctx.dropout_p)
+        dq, dk, dv = torch.ops.ampgraph.attention_backward(grad, q, k, v, p, dropped,
+                                                           ctx.scale)
     return dq, dk, dv, None, None, None, None
 
 
 def _differentiable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     attn_mask: torch.Tensor | None, is_causal: bool, scale: float,
-                    dropout_p: float, keep: torch.Tensor) -> torch.Tensor:
+                    dropout_p: float, dropped: torch.Tensor) -> torch.Tensor:
     """``ampgraph::attention``'s output as plain differentiable ops, with the dropout it
-    drew (``keep``): what a backward that builds a graph differentiates."""
+    drew (kept where ``dropped`` is nonzero: where it is zero but was kept, the probability
+    rounds to zero, and its share of the derivative is nil): what a backward that builds a
+    graph differentiates."""
     p = _probabilities(q, k, attn_mask, is_causal, scale, graph=True)
     if dropout_p:
-        p = p.mul(keep.to(p.dtype).div_(1 - dropout_p))
+        p = p.mul((dropped != 0).to(p.dtype).div_(1 - dropout_p))
     return torch.matmul(p.to(q.dtype), v)
 
 

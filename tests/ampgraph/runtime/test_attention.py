@@ -113,10 +113,10 @@ def test_the_custom_ops_pass_opcheck(kind):
     q, k, v = (t.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
                for t in (q, k, v))  # permuted strides, as a projection's views
     torch.library.opcheck(torch.ops.ampgraph.attention.default, (q, k, v, mask, causal, 0.35))
-    out, p, keep = torch.ops.ampgraph.attention(q, k, v, mask, causal, 0.35)
+    out, p, dropped = torch.ops.ampgraph.attention(q, k, v, mask, causal, 0.35)
     torch.library.opcheck(torch.ops.ampgraph.attention_backward.default,
-                          (torch.randn_like(out), q.detach(), k.detach(), v.detach(), p, keep,
-                           0.35))
+                          (torch.randn_like(out), q.detach(), k.detach(), v.detach(), p,
+                           dropped, 0.35))
 
 
 @pytest.mark.parametrize("case", ["more keys than head dim", "fp16", "fp32",
@@ -229,11 +229,16 @@ def test_dropout_runs_unfused_and_drops_what_aten_drops_under_the_same_seed(keys
 def test_dropout_keeps_one_minus_p_and_scales_the_kept_by_its_inverse():
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 4, 64, 32, dtype=BF16) for _ in range(3))
-    out, p, keep = torch.ops.ampgraph.attention(q, k, v, None, False, 32 ** -0.5, 0.25)
-    assert keep.dtype == torch.bool and keep.shape == p.shape
+    state = torch.get_rng_state()
+    out, p, dropped = torch.ops.ampgraph.attention(q, k, v, None, False, 32 ** -0.5, 0.25)
+    assert dropped.dtype == BF16 and dropped.shape == p.shape
+    keep = dropped != 0
+    torch.set_rng_state(state)  # aten's draw: fp32 noise of the scores' shape
+    assert torch.equal(keep, torch.empty(p.shape).bernoulli_(0.75).bool())
     assert abs(keep.float().mean().item() - 0.75) < 0.01
-    expected = torch.matmul((p.float() * keep / 0.75).to(BF16), v)
-    torch.testing.assert_close(out, expected, rtol=0.02, atol=0.01)  # p rounded after dropout
+    torch.testing.assert_close(dropped, (p.float() * keep / 0.75).to(BF16), rtol=0.01,
+                               atol=0)  # p rounded after dropout, once
+    torch.testing.assert_close(out, torch.matmul(dropped, v), rtol=0, atol=0)
     _, _, none = torch.ops.ampgraph.attention(q, k, v, None, False, 0.1, 0.0)
     assert none.numel() == 0
 
