@@ -3,10 +3,11 @@
 PyTorch runs every CPU ``scaled_dot_product_attention`` through its fused flash kernel,
 whose backward is slow on short sequences on our CPUs: 12.6 ms against 1.5 ms unfused at
 16 x 8 heads x 64 tokens x 64 measured alone (bf16, 2 threads); ~9 ms per layer inside a
-BERT-style training step, a quarter of the step. The fused kernel's advantage is memory,
-and it has none when there are no more keys than the head dimension: the probabilities the
-unfused backward keeps then take no more bytes than the output and log-sum-exp the fused
-kernel keeps. :func:`amp_attention` runs those calls unfused when training, as the op
+BERT-style training step, a quarter of the step. The fused kernel's advantages are memory
+and long rows: with up to twice as many keys as the head dimension, and at most 192, the
+probabilities the unfused backward keeps take at most twice the bytes of the output the
+fused kernel keeps, and the unfused kernels are faster (see :func:`_short`).
+:func:`amp_attention` runs those calls unfused when training, as the op
 ``ampgraph::attention``, and hands every other call to aten (inference included: the fused
 forward is as fast).
 
@@ -68,8 +69,8 @@ def unfused_pays(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  training: bool = True) -> bool:
     """bf16 on the CPU, no grouped heads or batch broadcasting, a boolean or bf16 mask that
     needs no gradient and broadcasts to the scores, at least one key, and either dropout
-    (aten would run its fp32 math path) or, when training, no more keys than the head
-    dimension (so the kept probabilities are no larger than the fused kernel's output)."""
+    (aten would run its fp32 math path) or, when training, rows short enough that the
+    unfused kernels are faster and their kept probabilities small (:func:`_short`)."""
     if not (0 <= dropout_p < 1) or not (dropout_p or training):
         return False
     tensors = (q, k, v) if attn_mask is None else (q, k, v, attn_mask)
@@ -77,10 +78,22 @@ def unfused_pays(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             and q.dtype == k.dtype == v.dtype == torch.bfloat16
             and not enable_gqa and q.dim() >= 3
             and q.shape[:-2] == k.shape[:-2] == v.shape[:-2]
-            and 0 < k.shape[-2] and (dropout_p > 0 or k.shape[-2] <= v.shape[-1])
+            and 0 < k.shape[-2] and (dropout_p > 0 or _short(k.shape[-2], v.shape[-1]))
             and (attn_mask is None or (
                 attn_mask.dtype in (torch.bool, q.dtype) and not attn_mask.requires_grad
                 and _fits(attn_mask.shape, (*q.shape[:-1], k.shape[-2])))))
+
+
+def _short(keys: int, head_dim: int) -> bool:
+    """Rows short enough that unfused training beats the CPU flash kernel (forward and
+    backward, bf16, 2 threads; ms fused / unfused): 128 keys of 64 dims 8.6 / 4.0 (causal),
+    160 of 80 26.4 / 14.0, 192 of 64 11.6 / 7.6; but 197 of 64 25.5 / 28.3, 256 of 64
+    12.4 / 20.2 and 256 of 128 26.1 / 35.9. At most twice the head dimension, so the kept
+    probabilities take at most twice the bytes of the output the fused kernel keeps."""
+    return keys <= min(2 * head_dim, MAX_UNFUSED_KEYS)
+
+
+MAX_UNFUSED_KEYS = 192
 
 
 def _fits(shape: torch.Size, target: tuple) -> bool:

@@ -119,11 +119,19 @@ def test_the_custom_ops_pass_opcheck(kind):
                            dropped, 0.35))
 
 
-@pytest.mark.parametrize("case", ["more keys than head dim", "fp16", "fp32",
+def test_training_runs_unfused_up_to_twice_the_head_dim_of_keys_and_192_at_most():
+    assert unfused_pays(*qkv(t=16, d=16, s=32), None, 0.0, False)
+    assert not unfused_pays(*qkv(t=16, d=16, s=33), None, 0.0, False)
+    assert unfused_pays(*qkv(t=8, d=128, s=192), None, 0.0, False)
+    assert not unfused_pays(*qkv(t=8, d=128, s=193), None, 0.0, False)
+    assert unfused_pays(*qkv(t=8, d=16, s=193), None, 0.1, False)  # dropout: any length
+
+
+@pytest.mark.parametrize("case", ["more keys than twice the head dim", "fp16", "fp32",
                                   "mask wants a gradient", "grouped heads", "fp32 mask",
                                   "no keys"])
 def test_other_calls_go_to_aten_unchanged(case):
-    q, k, v = qkv(t=16, d=16, s={"more keys than head dim": 32, "no keys": 0}.get(case),
+    q, k, v = qkv(t=16, d=16, s={"more keys than twice the head dim": 33, "no keys": 0}.get(case),
                   dtype=torch.float16 if case == "fp16" else
                   torch.float32 if case == "fp32" else BF16)
     mask, dropout, gqa = None, 0.0, False
