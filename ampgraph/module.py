@@ -34,6 +34,7 @@ from ampgraph.capture import (
 )
 from ampgraph.config import AmpConfig, dtype_name
 from ampgraph.runtime.attention import amp_attention
+from ampgraph.runtime.outputs import OutputBuffers
 from ampgraph.runtime.weights import WeightCache
 from passes.fx import run_amp_passes
 from passes.fx.dtypes import dtype_of
@@ -133,7 +134,7 @@ class AmpModule(nn.Module):
             _amp_model=model, amp_config=config, amp_dtype=low, _amp_path=path,
             _amp_graphs=OrderedDict(), _amp_lock=threading.RLock(), _amp_eager=None,
             _amp_eager_reason=None, _amp_last=None, _amp_weights=WeightCache(),
-            _amp_transforms=[],
+            _amp_outputs=OutputBuffers(), _amp_transforms=[],
             _amp_forward=_signed_forward(model),
         )
         self._amp_policy = config.policy(low)
@@ -192,8 +193,9 @@ class AmpModule(nn.Module):
         return copies
 
     def clear_weight_cache(self) -> None:
-        """Drop the low-precision inference copies of the weights (after ``p.data`` edits)."""
+        """Drop the weights' inference copies (after ``p.data`` edits) and kept outputs."""
         self._amp_weights.clear()
+        self._amp_outputs.clear()
         if self._amp_eager is not None:
             for child in _amp_children(self._amp_eager):
                 child.clear_weight_cache()
@@ -285,7 +287,7 @@ class AmpModule(nn.Module):
                 linear=self._amp_weights.amp_linear if backend is None else None,
                 embedding=self._amp_weights.amp_embedding if backend is None else None,
                 attention=amp_attention,
-            )
+                output_cast=self._amp_outputs.cast if backend is None else None)
         except Exception as exc:
             self._go_eager(f"ampgraph pass failed: {_first_line(exc)}")
             return None

@@ -24,6 +24,7 @@ from passes.fx.routing import (
     route_attention,
     route_embeddings,
     route_linears,
+    route_output_casts,
     route_weight_casts,
 )
 from passes.fx.verify import verify
@@ -71,6 +72,7 @@ def run_amp_passes(
     linear: Callable[..., Any] | None = None,
     embedding: Callable[..., Any] | None = None,
     attention: Callable[..., Any] | None = None,
+    output_cast: Callable[..., Any] | None = None,
 ) -> FxAmpResult:
     """Rewrite ``gm`` in place for mixed precision and verify the result.
 
@@ -88,6 +90,8 @@ def run_amp_passes(
             ``embedding(table, ids, padding_idx)`` instead (likewise).
         attention: if given, low-precision ``aten.scaled_dot_product_attention`` nodes call
             it with the same arguments instead (the runtime's choice of kernel).
+        output_cast: if given, the casts of outputs back to their dtype call
+            ``output_cast(x, dtype, slot)`` instead (a buffer the runtime may keep).
         fuse_norms: let fp32 norms take and return ``low`` activations where every use
             wanted ``low``, cast 4-D inputs of convolutions to channels-last and cast
             embedding lookups instead of their tables (``passes.fx.fusions``): same numbers,
@@ -106,6 +110,7 @@ def run_amp_passes(
         PassManager(amp_passes(
             policy, low, state, keep_io_types=keep_io_types, weight_cast=weight_cast,
             fuse_norms=fuse_norms, linear=linear, embedding=embedding, attention=attention,
+            output_cast=output_cast,
         )).run(gm)
     return FxAmpResult(gm, state.decisions, state.casts)
 
@@ -130,6 +135,7 @@ def amp_passes(
     linear: Callable[..., Any] | None = None,
     embedding: Callable[..., Any] | None = None,
     attention: Callable[..., Any] | None = None,
+    output_cast: Callable[..., Any] | None = None,
 ) -> list[Callable[[fx.GraphModule], PassResult]]:
     """The passes :func:`run_amp_passes` runs, in order, each a named ``fn(gm) ->
     PassResult`` (the name a failure is reported under). The analyses write into
@@ -173,6 +179,8 @@ def amp_passes(
             passes.append(named("route_embeddings", route_embeddings, embedding))
     if attention is not None:
         passes.append(named("route_attention", route_attention, attention, low))
+    if output_cast is not None and keep_io_types:
+        passes.append(named("route_output_casts", route_output_casts, output_cast))
     passes.append(named("recompile", _recompile))
     return passes
 

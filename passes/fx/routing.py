@@ -6,6 +6,8 @@
 - :func:`route_embeddings`: a lookup on a parameter table picks where its gradient goes.
 - :func:`route_attention`: attention calls the runtime's implementation, which picks the
   kernel for the shapes it meets.
+- :func:`route_output_casts`: the casts of the outputs back to their dtype call the
+  runtime's, which may write into a buffer it keeps.
 
 Each replaces matching nodes by a caller-supplied callable; the numbers are the runtime's
 to keep (the cast still happens, inside the callable, and stays counted).
@@ -163,5 +165,27 @@ def route_attention(gm: fx.GraphModule, attention_fn: Callable[..., Any], low: t
             node.meta["amp_orig_op"] = "aten.scaled_dot_product_attention"
             node.meta["amp_reason"] = (f"{node.meta.get('amp_reason', '')}; the runtime "
                                        "picks its kernel for the shapes it meets")
+            modified = True
+    return PassResult(gm, modified)
+
+
+def route_output_casts(gm: fx.GraphModule, cast_fn: Callable[..., Any]) -> PassResult:
+    """Replace the amp casts that only the output uses by ``cast_fn(x, dtype, slot)``,
+    ``slot`` naming the output (this graph's, and its place among the outputs).
+
+    Example:
+        >>> route_output_casts(gm, buffers.cast)
+    """
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    modified = False
+    for i, node in enumerate(output.all_input_nodes):
+        if is_amp_cast(node) and node.target is CAST and set(node.users) == {output} \
+                and set(node.kwargs) == {"dtype"}:
+            with gm.graph.inserting_before(node):
+                new = gm.graph.call_function(cast_fn, (node.args[0], node.kwargs["dtype"],
+                                                       (id(gm), i)))
+            new.meta.update(node.meta)
+            node.replace_all_uses_with(new)
+            gm.graph.erase_node(node)
             modified = True
     return PassResult(gm, modified)

@@ -1,0 +1,69 @@
+"""Buffers kept for a compiled module's large fp32 outputs in inference.
+
+With ``keep_io_types`` (the default) the rewritten graph casts its low-precision outputs
+back to fp32. A language model's logits are the largest tensor of an inference call
+(LLaMA-style 4 x 128 tokens x 32000: 65 MB in fp32), and a fresh tensor of 32 MiB or more is
+mmapped by glibc and faults every page in, on every call: 16K faults, about a fifth of an
+O2 LLaMA-style inference call on our CPUs. :meth:`OutputBuffers.cast` converts such an
+output into a buffer kept from an earlier call once nothing outside the cache holds it any
+more, the way a serving runtime binds its output buffers. Two are kept per output, so that
+``out = net(x)`` in a loop, which still holds the last output while the next call runs,
+reuses them too; an output the caller keeps is never overwritten.
+
+Only without autograd (an output with a graph is a fresh tensor, as aten's ``_to_copy``
+makes it) and only on the CPU (CUDA's caching allocator already reuses its blocks).
+:meth:`OutputBuffers.clear` (``AmpModule.clear_weight_cache``) drops them.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from ampgraph.runtime.weights import _storage_refs
+
+# glibc's largest mmap threshold: a fresh allocation this large always faults its pages in
+OUTPUT_BYTES = 32 << 20
+KEPT_PER_OUTPUT = 2  # the caller may still hold the last one while the next call runs
+
+
+class OutputBuffers:
+    """Per graph output, up to ``KEPT_PER_OUTPUT`` buffers; thread-safe."""
+
+    def __init__(self) -> None:
+        self._kept: dict[Any, list[tuple[torch.Tensor, int]]] = {}
+        self._lock = threading.Lock()
+
+    def cast(self, x: torch.Tensor, dtype: torch.dtype, slot: Any) -> torch.Tensor:
+        """``x.to(dtype)`` for the graph output ``slot``: into a kept buffer nothing else
+        holds when the result is large, needs no gradient, is contiguous and lives on the
+        CPU."""
+        if (x.requires_grad and torch.is_grad_enabled()) or x.device.type != "cpu" \
+                or x.numel() * dtype.itemsize < OUTPUT_BYTES or not x.is_contiguous():
+            return x.to(dtype)
+        with self._lock:
+            kept = self._kept.setdefault(slot, [])
+            for buf, alone in kept:
+                if buf.shape == x.shape and buf.dtype == dtype and _storage_refs(buf) == alone:
+                    out = buf.view_as(buf)  # marks it in use before the lock is let go
+                    break
+            else:
+                with torch.inference_mode(False):  # writable outside inference mode too
+                    buf = torch.empty(x.shape, dtype=dtype, device=x.device)
+                if len(kept) == KEPT_PER_OUTPUT:  # the caller holds them all: replace one
+                    kept.pop(0)
+                kept.append((buf, _storage_refs(buf)))
+                out = buf.view_as(buf)
+        return out.copy_(x)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._kept = {}
+
+    def nbytes(self) -> int:
+        """Bytes held by the kept buffers."""
+        with self._lock:
+            return sum(buf.numel() * buf.element_size() for kept in self._kept.values()
+                       for buf, _ in kept)
