@@ -30,7 +30,8 @@ KEPT_PER_OUTPUT = 2  # the caller may still hold the last one while the next cal
 
 
 class OutputBuffers:
-    """Per graph output, up to ``KEPT_PER_OUTPUT`` buffers; thread-safe."""
+    """Per output slot (its place among a graph's outputs), up to ``KEPT_PER_OUTPUT``
+    buffers, the oldest replaced by one of a new shape; thread-safe."""
 
     def __init__(self) -> None:
         self._kept: dict[Any, list[tuple[torch.Tensor, int]]] = {}
@@ -52,7 +53,7 @@ class OutputBuffers:
             else:
                 with torch.inference_mode(False):  # writable outside inference mode too
                     buf = torch.empty(x.shape, dtype=dtype, device=x.device)
-                if len(kept) == KEPT_PER_OUTPUT:  # the caller holds them all: replace one
+                if len(kept) == KEPT_PER_OUTPUT:  # held, or shaped for another input
                     kept.pop(0)
                 kept.append((buf, _storage_refs(buf)))
                 out = buf.view_as(buf)

@@ -171,7 +171,8 @@ def route_attention(gm: fx.GraphModule, attention_fn: Callable[..., Any], low: t
 
 def route_output_casts(gm: fx.GraphModule, cast_fn: Callable[..., Any]) -> PassResult:
     """Replace the amp casts that only the output uses by ``cast_fn(x, dtype, slot)``,
-    ``slot`` naming the output (this graph's, and its place among the outputs).
+    ``slot`` being the output's place among the graph's outputs (the same for every graph
+    of a module, so buffers kept per slot stay bounded however many graphs it captures).
 
     Example:
         >>> route_output_casts(gm, buffers.cast)
@@ -182,8 +183,7 @@ def route_output_casts(gm: fx.GraphModule, cast_fn: Callable[..., Any]) -> PassR
         if is_amp_cast(node) and node.target is CAST and set(node.users) == {output} \
                 and set(node.kwargs) == {"dtype"}:
             with gm.graph.inserting_before(node):
-                new = gm.graph.call_function(cast_fn, (node.args[0], node.kwargs["dtype"],
-                                                       (id(gm), i)))
+                new = gm.graph.call_function(cast_fn, (node.args[0], node.kwargs["dtype"], i))
             new.meta.update(node.meta)
             node.replace_all_uses_with(new)
             gm.graph.erase_node(node)

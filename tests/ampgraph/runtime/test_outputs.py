@@ -77,3 +77,13 @@ def test_compiled_inference_reuses_its_output_buffer_under_inference_mode(monkey
     assert out.grad_fn is not None
     net.clear_weight_cache()
     assert net._amp_outputs.nbytes() == 0
+
+
+def test_buffers_stay_bounded_when_shapes_change(monkeypatch):
+    monkeypatch.setattr(outputs, "OUTPUT_BYTES", 64)
+    buffers = OutputBuffers()
+    for n in range(4, 12):  # a new shape every call (a new sequence length, say)
+        out = buffers.cast(torch.randn(n, 8).to(BF16), torch.float32, 0)
+    assert len(buffers._kept[0]) == outputs.KEPT_PER_OUTPUT
+    assert buffers.nbytes() == (10 + 11) * 8 * 4  # the last two shapes
+    del out

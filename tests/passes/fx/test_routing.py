@@ -138,12 +138,12 @@ def test_output_casts_call_the_runtime_with_their_place_among_the_outputs(keep_i
     if not keep_io_types:  # nothing is cast back: nothing to route
         assert not calls
         return
-    assert len(calls) == 2 and sorted(n.args[2][1] for n in calls) == [0, 1]
+    assert len(calls) == 2 and sorted(n.args[2] for n in calls) == [0, 1]
     assert all(n.args[1] == torch.float32 for n in calls)
     gm.graph.lint()
     CALLS.clear()
     y, z, n = gm(x)
-    assert [c[1][1] for c in CALLS] == [0, 1] and n == 3
+    assert [c[1] for c in CALLS] == [0, 1] and n == 3
     assert y.dtype == z.dtype == torch.float32
     plain, _ = rewritten(model, x, torch.bfloat16)
     torch.testing.assert_close((y, z), plain(x)[:2], rtol=0, atol=0)
