@@ -41,10 +41,10 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         custom_allow: op names, module classes or module-path patterns forced to low.
         custom_deny: op names, module classes or module-path patterns forced to fp32.
         module_overrides: module-path pattern -> "fp32" | "bf16" | "fp16" | "low".
-        keep_io_types: cast float outputs back to their original dtype (eagerly on the CPU
-            without autograd, an output of 32 MiB or more, such as a language model's
-            logits, goes into one of two buffers the module keeps for it, once the caller
-            has let go of the last one there; ``clear_weight_cache()`` drops them).
+        keep_io_types: cast float outputs back to their original dtype (eagerly on the CPU,
+            an output of 32 MiB or more, such as a language model's logits, goes into one
+            of two buffers the module keeps for it, once the caller and any graph have let
+            go of the last one there; ``clear_weight_cache()`` drops them).
         backend: None runs the rewritten graph eagerly (parameters cast once per forward,
             inference reuses low-precision working copies); "inductor" hands the rewritten
             graph to ``torch.compile`` so casts fuse with their neighbours.

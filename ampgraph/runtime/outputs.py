@@ -1,17 +1,20 @@
-"""Buffers kept for a compiled module's large fp32 outputs in inference.
+"""Buffers kept for a compiled module's large fp32 outputs.
 
 With ``keep_io_types`` (the default) the rewritten graph casts its low-precision outputs
-back to fp32. A language model's logits are the largest tensor of an inference call
-(LLaMA-style 4 x 128 tokens x 32000: 65 MB in fp32), and a fresh tensor of 32 MiB or more is
-mmapped by glibc and faults every page in, on every call: 16K faults, about a fifth of an
-O2 LLaMA-style inference call on our CPUs. :meth:`OutputBuffers.cast` converts such an
-output into a buffer kept from an earlier call once nothing outside the cache holds it any
-more, the way a serving runtime binds its output buffers. Two are kept per output, so that
+back to fp32. A language model's logits are the largest tensor of a call (LLaMA-style 4 x
+128 tokens x 32000: 65 MB in fp32), and a fresh tensor of 32 MiB or more is mmapped by
+glibc and faults every page in, on every call: 16K faults, about a fifth of an O2
+LLaMA-style inference call on our CPUs; GPT-2's 103 MB took ~100 ms of a training step.
+:meth:`OutputBuffers.cast` converts such an output into a buffer kept from an earlier call
+once nothing outside the cache holds it any more, the way a serving runtime binds its
+output buffers. Two are kept per output, so that
 ``out = net(x)`` in a loop, which still holds the last output while the next call runs,
 reuses them too; an output the caller keeps is never overwritten.
 
-Only without autograd (an output with a graph is a fresh tensor, as aten's ``_to_copy``
-makes it) and only on the CPU (CUDA's caching allocator already reuses its blocks).
+In training the output is cast into the buffer as a differentiable cast (its gradient
+goes back in the graph's dtype); the buffer is free again once the step's graph, which
+saves it or its views, is gone. Only on the CPU (CUDA's caching allocator already reuses
+its blocks).
 :meth:`OutputBuffers.clear` (``AmpModule.clear_weight_cache``) drops them.
 """
 
@@ -22,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ampgraph.runtime.weights import _storage_refs
+from ampgraph.runtime.weights import _CastInto, _storage_refs
 
 # glibc's largest mmap threshold: a fresh allocation this large always faults its pages in
 OUTPUT_BYTES = 32 << 20
@@ -38,11 +41,10 @@ class OutputBuffers:
         self._lock = threading.Lock()
 
     def cast(self, x: torch.Tensor, dtype: torch.dtype, slot: Any) -> torch.Tensor:
-        """``x.to(dtype)`` for the graph output ``slot``: into a kept buffer nothing else
-        holds when the result is large, needs no gradient, is contiguous and lives on the
-        CPU."""
-        if (x.requires_grad and torch.is_grad_enabled()) or x.device.type != "cpu" \
-                or x.numel() * dtype.itemsize < OUTPUT_BYTES or not x.is_contiguous():
+        """``x.to(dtype)`` (differentiable) for the graph output ``slot``: into a kept
+        buffer nothing else holds when the result is large, contiguous and on the CPU."""
+        if x.device.type != "cpu" or x.numel() * dtype.itemsize < OUTPUT_BYTES \
+                or not x.is_contiguous():
             return x.to(dtype)
         with self._lock:
             kept = self._kept.setdefault(slot, [])
@@ -57,6 +59,8 @@ class OutputBuffers:
                     kept.pop(0)
                 kept.append((buf, _storage_refs(buf)))
                 out = buf.view_as(buf)
+        if x.requires_grad and torch.is_grad_enabled():
+            return _CastInto.apply(x, out)
         return out.copy_(x)
 
     def clear(self) -> None:

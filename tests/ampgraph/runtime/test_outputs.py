@@ -1,5 +1,5 @@
-"""Kept buffers for large inference outputs: reused once the caller lets go, never while
-it holds one; outputs with a graph, small or off-CPU ones are fresh."""
+"""Kept buffers for large outputs: reused once the caller (or a graph) lets go, never while
+one holds it; small or strided ones are fresh."""
 
 from __future__ import annotations
 
@@ -39,19 +39,34 @@ def test_a_released_output_buffer_is_reused_and_a_held_one_never(monkeypatch):
     assert buffers.nbytes() == 0
 
 
-def test_outputs_with_a_graph_small_or_strided_ones_are_fresh(monkeypatch):
+def test_small_or_strided_outputs_are_fresh(monkeypatch):
     buffers = OutputBuffers()
     x = torch.randn(4, 8).to(BF16)
     assert buffers.cast(x, torch.float32, "s").dtype == torch.float32
     assert buffers.nbytes() == 0  # below OUTPUT_BYTES
     monkeypatch.setattr(outputs, "OUTPUT_BYTES", 64)
-    w = x.clone().requires_grad_()
-    y = buffers.cast(w, torch.float32, "s")
-    assert y.grad_fn is not None and buffers.nbytes() == 0
-    y.sum().backward()
-    assert w.grad.dtype == BF16
     t = buffers.cast(x.t(), torch.float32, "s")
     assert t.stride() == x.t().float().stride() and buffers.nbytes() == 0
+
+
+def test_an_output_with_a_graph_reuses_a_buffer_its_last_graph_let_go(monkeypatch):
+    monkeypatch.setattr(outputs, "OUTPUT_BYTES", 64)
+    buffers = OutputBuffers()
+    w = torch.randn(4, 8).to(BF16).requires_grad_()
+    y = buffers.cast(w * 1, torch.float32, "s")
+    ptr = y.data_ptr()
+    loss = y.square().sum()  # square saves y: its graph holds the buffer
+    del y
+    z = buffers.cast(w * 2, torch.float32, "s")
+    assert z.data_ptr() != ptr  # not over the output the first graph saved
+    loss.backward()
+    torch.testing.assert_close(w.grad, (2 * w).detach(), rtol=0.01, atol=0)
+    assert w.grad.dtype == BF16
+    del loss, z
+    again = buffers.cast(w * 3, torch.float32, "s")
+    assert again.data_ptr() == ptr  # the graph that saved it is gone
+    again.sum().backward()
+    assert again.grad_fn is not None
 
 
 def test_compiled_inference_reuses_its_output_buffer_under_inference_mode(monkeypatch):
@@ -73,8 +88,10 @@ def test_compiled_inference_reuses_its_output_buffer_under_inference_mode(monkey
         held = net(x)  # again is held: another buffer
     assert held.data_ptr() != ptr and net._amp_outputs.nbytes() == 2 * held.numel() * 4
     torch.testing.assert_close(held, expected, rtol=0, atol=0)
-    out = net(x)  # with autograd: a fresh output with a graph
+    out = net(x)  # with autograd: into a kept buffer too, with a graph
     assert out.grad_fn is not None
+    out.sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
     net.clear_weight_cache()
     assert net._amp_outputs.nbytes() == 0
 
