@@ -7,15 +7,14 @@ glibc and faults every page in, on every call: 16K faults, about a fifth of an O
 LLaMA-style inference call on our CPUs; GPT-2's 103 MB took ~100 ms of a training step.
 :meth:`OutputBuffers.cast` converts such an output into a buffer kept from an earlier call
 once nothing outside the cache holds it any more, the way a serving runtime binds its
-output buffers. Two are kept per output, so that
-``out = net(x)`` in a loop, which still holds the last output while the next call runs,
-reuses them too; an output the caller keeps is never overwritten.
+output buffers. Two are kept per output, so that ``out = net(x)`` in a loop, which still
+holds the last output while the next call runs, reuses them too; an output the caller
+keeps is never overwritten.
 
 In training the output is cast into the buffer as a differentiable cast (its gradient
 goes back in the graph's dtype); the buffer is free again once the step's graph, which
 saves it or its views, is gone. Only on the CPU (CUDA's caching allocator already reuses
-its blocks).
-:meth:`OutputBuffers.clear` (``AmpModule.clear_weight_cache``) drops them.
+its blocks). :meth:`OutputBuffers.clear` (``AmpModule.clear_weight_cache``) drops them.
 """
 
 from __future__ import annotations
