@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from ampgraph.runtime.weights import _CastInto, _storage_refs
+from ampgraph.runtime.buffers import take_free
+from ampgraph.runtime.weights import _CastInto
 
 # glibc's largest mmap threshold: a fresh allocation this large always faults its pages in
 OUTPUT_BYTES = 32 << 20
@@ -45,19 +46,11 @@ class OutputBuffers:
         if x.device.type != "cpu" or x.numel() * dtype.itemsize < OUTPUT_BYTES \
                 or not x.is_contiguous():
             return x.to(dtype)
-        with self._lock:
-            kept = self._kept.setdefault(slot, [])
-            for buf, alone in kept:
-                if buf.shape == x.shape and buf.dtype == dtype and _storage_refs(buf) == alone:
-                    out = buf.view_as(buf)  # marks it in use before the lock is let go
-                    break
-            else:
-                with torch.inference_mode(False):  # writable outside inference mode too
-                    buf = torch.empty(x.shape, dtype=dtype, device=x.device)
-                if len(kept) == KEPT_PER_OUTPUT:  # held, or shaped for another input
-                    kept.pop(0)
-                kept.append((buf, _storage_refs(buf)))
-                out = buf.view_as(buf)
+        with self._lock:  # all held, or shaped for another input: the oldest is replaced
+            out = take_free(self._kept.setdefault(slot, []),
+                            lambda buf: buf.shape == x.shape and buf.dtype == dtype,
+                            lambda: torch.empty(x.shape, dtype=dtype, device=x.device),
+                            KEPT_PER_OUTPUT)
         if x.requires_grad and torch.is_grad_enabled():
             return _CastInto.apply(x, out)
         return out.copy_(x)

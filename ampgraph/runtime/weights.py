@@ -35,9 +35,7 @@ from typing import Any
 
 import torch
 
-
-def _storage_refs(t: torch.Tensor) -> int:
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+from ampgraph.runtime.buffers import take_free
 
 
 def _empty(p: torch.Tensor, dtype: torch.dtype, memory_format: torch.memory_format | None
@@ -327,17 +325,11 @@ class WeightCache:
     def _pooled(self, shape: tuple, dtype: torch.dtype, device: torch.device
                 ) -> torch.Tensor:
         """A view of a pooled buffer of ``shape`` that nothing else holds."""
-        key = (shape, dtype, device)
         with self._lock:
-            pool = self._scratch.setdefault(key, [])
-            for buf, alone in pool:
-                if _storage_refs(buf) == alone:
-                    return buf.view_as(buf)
-            with torch.inference_mode(False):
-                buf = torch.empty(shape, dtype=dtype, device=device)
-            if len(pool) < MAX_SCRATCH:
-                pool.append((buf, _storage_refs(buf)))
-            return buf.view_as(buf)
+            return take_free(self._scratch.setdefault((shape, dtype, device), []),
+                             lambda buf: True,
+                             lambda: torch.empty(shape, dtype=dtype, device=device),
+                             MAX_SCRATCH)
 
     def working_copy(self, p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``p`` cast to ``dtype`` for training: into its buffer kept between steps if it is
@@ -362,16 +354,11 @@ class WeightCache:
         key = (kind, dtype)
         with self._lock:
             per = self._per_param(p)
-            entry = per.get(key)
-            if entry is not None:
-                buf, alone = entry
-                if buf.shape == p.shape and buf.stride() == p.stride() \
-                        and buf.device == p.device and _storage_refs(buf) == alone:
-                    return buf.view_as(buf)
-            with torch.inference_mode(False):
-                buf = _empty(p, dtype, None)
-            per[key] = (buf, _storage_refs(buf))
-            return buf.view_as(buf)
+            pool = [per[key]] if key in per else []
+            view = take_free(pool, lambda buf: buf.shape == p.shape and buf.stride() == p.stride()
+                             and buf.device == p.device, lambda: _empty(p, dtype, None), 1)
+            per[key] = pool[0]
+            return view
 
     def keep_grad(self, w: torch.Tensor, shared: bool) -> weakref.ref | None:
         """In forward: a reference to ``w`` if its gradient is to go into a buffer kept
