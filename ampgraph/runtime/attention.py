@@ -4,9 +4,10 @@ PyTorch runs every CPU ``scaled_dot_product_attention`` through its fused flash 
 whose backward is slow on short sequences on our CPUs: 12.6 ms against 1.5 ms unfused at
 16 x 8 heads x 64 tokens x 64 measured alone (bf16, 2 threads); ~9 ms per layer inside a
 BERT-style training step, a quarter of the step. The fused kernel's advantages are memory
-and long rows: with up to twice as many keys as the head dimension, and at most 192, the
-probabilities the unfused backward keeps take at most twice the bytes of the output the
-fused kernel keeps, and the unfused kernels are faster (see :func:`_short`).
+and long rows: with up to four times as many keys as the head dimension, and at most 256,
+the probabilities the unfused backward keeps take at most four times the bytes of the output
+the fused kernel keeps, and the unfused kernels are faster (see :func:`_short`): they run
+a chunk of heads at a time, so the passes over a chunk's scores stay in the cache.
 :func:`amp_attention` runs those calls unfused when training, as the op
 ``ampgraph::attention``, and hands every other call to aten (inference included: the fused
 forward is as fast).
@@ -86,14 +87,16 @@ def unfused_pays(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def _short(keys: int, head_dim: int) -> bool:
     """Rows short enough that unfused training beats the CPU flash kernel (forward and
-    backward, bf16, 2 threads; ms fused / unfused): 128 keys of 64 dims 8.6 / 4.0 (causal),
-    160 of 80 26.4 / 14.0, 192 of 64 11.6 / 7.6; but 197 of 64 25.5 / 28.3, 256 of 64
-    12.4 / 20.2 and 256 of 128 26.1 / 35.9. At most twice the head dimension, so the kept
-    probabilities take at most twice the bytes of the output the fused kernel keeps."""
-    return keys <= min(2 * head_dim, MAX_UNFUSED_KEYS)
+    backward, bf16, 2 threads, batch x heads x keys/head dim; ms fused / unfused):
+    8x12x128/32 15.9 / 8.0, 8x12x128/64 16.1 / 5.4, 8x12x197/64 (ViT-B/16) 21.5 / 14.0,
+    4x12x256/64 11.1 / 10.0, 4x8x256/128 13.7 / 8.1; but 8x8x320/80 23.1 / 25.4,
+    4x12x384/64 19.3 / 24.6 and 2x12x512/64 15.7 / 18.2. At most four times the head
+    dimension, so the kept probabilities take at most four times the bytes of the output
+    the fused kernel keeps."""
+    return keys <= min(4 * head_dim, MAX_UNFUSED_KEYS)
 
 
-MAX_UNFUSED_KEYS = 192
+MAX_UNFUSED_KEYS = 256
 
 
 def _fits(shape: torch.Size, target: tuple) -> bool:
@@ -112,13 +115,57 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """(dropout(softmax(q k^T * scale + mask)) v, the probabilities rounded to q's dtype,
     and with dropout the dropped and scaled ones that ``v`` was multiplied by, rounded once;
     empty without dropout, where those are the probabilities themselves)."""
-    p = _probabilities(q, k, attn_mask, is_causal, scale)
-    low = p.to(q.dtype)
-    if not dropout_p:
-        return torch.matmul(low, v), low, q.new_empty((0,))
-    noise = torch.empty_like(p).bernoulli_(1 - dropout_p)  # aten's draw, same generator
-    dropped = p.mul_(noise.div_(1 - dropout_p)).to(q.dtype)
-    return torch.matmul(dropped, v), low, dropped
+    scores = (*q.shape[:-1], k.shape[-2])
+    out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+    low = q.new_empty(scores)
+    dropped = q.new_empty(scores if dropout_p else (0,))
+    noise = None
+    if dropout_p:  # aten's draw, on the whole fp32 scores as aten's, same generator
+        noise = torch.empty(scores, device=q.device).bernoulli_(1 - dropout_p)
+        noise.div_(1 - dropout_p)
+    for at in _chunks(scores):
+        p = _probabilities(q[at], k[at], _mask_chunk(attn_mask, at, q.dim()), is_causal, scale)
+        low[at] = p
+        if noise is not None:
+            dropped[at] = p.mul_(noise[at])
+        torch.matmul(dropped[at] if noise is not None else low[at], v[at], out=out[at])
+    return out, low, dropped
+
+
+# Scores are made, and their softmax and its derivative taken, a chunk of heads at a time,
+# about this many bytes of fp32 scores each: the chunk's passes over them stay in the
+# cache. ViT-B/16's attention (8 x 12 heads x 197 keys x 64), forward and backward as
+# plain ops, took 17.2 ms over all 96 heads at once, 12.9 in chunks of 32, 11.9 of 16
+# (2.4 MB), 12.7 of 8; through this op, 14.0 ms against 25.1 unchunked and 21.5 for the
+# CPU flash kernel.
+CHUNK_BYTES = 2 << 20
+
+
+def _chunks(scores: tuple):
+    """Index tuples into the leading dims of a ``scores``-shaped tensor, covering them in
+    chunks of about ``CHUNK_BYTES`` fp32 scores: ranges of the first dim or, within one of
+    its entries, of the second."""
+    per_row = max(1, 4 * scores[-1] * scores[-2])
+    lead = scores[:-2]
+    inner = max(1, math.prod(lead[1:]))
+    if per_row * inner <= CHUNK_BYTES or len(lead) < 2:
+        step = max(1, CHUNK_BYTES // (per_row * inner))
+        for i in range(0, lead[0], step):
+            yield (slice(i, i + step),)
+        return
+    step = max(1, CHUNK_BYTES // (per_row * max(1, math.prod(lead[2:]))))
+    for i in range(lead[0]):
+        for j in range(0, lead[1], step):
+            yield (i, slice(j, j + step))
+
+
+def _mask_chunk(mask: torch.Tensor | None, at: tuple, dims: int) -> torch.Tensor | None:
+    """The part of ``mask`` (broadcasting to ``dims``-dim scores) for the scores at ``at``."""
+    if mask is None:
+        return None
+    mask = mask.view((1,) * (dims - mask.dim()) + mask.shape)
+    return mask[tuple(a if n > 1 else slice(None) if isinstance(a, slice) else 0
+                      for a, n in zip(at, mask.shape))]
 
 
 def _probabilities(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None,
@@ -156,10 +203,14 @@ def _attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     the softmax derivative, in fp32, is ``(dd*d - p * rowsum(dd*d)) * scale``: dropout's
     mask and ``1 / (1 - dropout_p)`` enter through ``d`` (``p * dp = dd * d``)."""
     d = dropped if dropped.numel() else p
-    dv = torch.matmul(d.transpose(-2, -1), grad)
-    t = torch.matmul(grad, v.transpose(-2, -1)).float().mul_(d)
-    ds = t.addcmul_(p, t.sum(-1, keepdim=True), value=-1).mul_(scale).to(q.dtype)
-    return torch.matmul(ds, k), torch.matmul(ds.transpose(-2, -1), q), dv
+    dq, dk, dv = (t.new_empty(t.shape) for t in (q, k, v))
+    for at in _chunks(p.shape):
+        torch.matmul(d[at].transpose(-2, -1), grad[at], out=dv[at])
+        t = torch.matmul(grad[at], v[at].transpose(-2, -1)).float().mul_(d[at])
+        ds = t.addcmul_(p[at], t.sum(-1, keepdim=True), value=-1).mul_(scale).to(q.dtype)
+        torch.matmul(ds, k[at], out=dq[at])
+        torch.matmul(ds.transpose(-2, -1), q[at], out=dk[at])
+    return dq, dk, dv
 
 
 @_attention_backward.register_fake

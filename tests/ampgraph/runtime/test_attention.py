@@ -11,6 +11,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import ampgraph
 from ampgraph.cli.analysis import node_flops
+from ampgraph.runtime import attention
 from ampgraph.runtime.attention import amp_attention, unfused_pays
 from models import bert_encoder
 from tests.helpers import record
@@ -67,6 +68,28 @@ def test_unfused_attention_is_as_accurate_as_the_fused_kernel(kind):
         assert mine < 2e-2
 
 
+@pytest.mark.parametrize("chunk", ["heads", "batch entries"])
+@pytest.mark.parametrize("kind", ["none", "additive", "bool", "causal", "dropout"])
+def test_chunks_of_heads_give_the_whole_tensors_results_bit_for_bit(kind, chunk, monkeypatch):
+    q, k, v = (t.detach() for t in qkv(t=16, d=16, s=24))
+    mask, causal = masks(4, 16, 24)["bool" if kind == "dropout" else kind]
+    dropout = 0.3 if kind == "dropout" else 0.0
+    grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(2)).to(BF16)
+
+    def run():
+        torch.manual_seed(5)
+        out, p, dropped = torch.ops.ampgraph.attention(q, k, v, mask, causal, 0.25, dropout)
+        return (out, p, dropped,
+                *torch.ops.ampgraph.attention_backward(grad, q, k, v, p, dropped, 0.25))
+
+    whole = run()
+    per_head = 4 * 16 * 24  # bytes of one head's fp32 scores
+    monkeypatch.setattr(attention, "CHUNK_BYTES", per_head if chunk == "heads" else 2 * per_head)
+    assert len(list(attention._chunks((4, 2, 16, 24)))) == (8 if chunk == "heads" else 4)
+    for got, want in zip(run(), whole):
+        assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("t,s", [(4, 8), (8, 4)])
 def test_causal_with_unequal_query_and_key_lengths_is_top_left_aligned(t, s):
     q, k, v = qkv(n=2, h=2, t=t, s=s, d=8)
@@ -119,19 +142,19 @@ def test_the_custom_ops_pass_opcheck(kind):
                            dropped, 0.35))
 
 
-def test_training_runs_unfused_up_to_twice_the_head_dim_of_keys_and_192_at_most():
-    assert unfused_pays(*qkv(t=16, d=16, s=32), None, 0.0, False)
-    assert not unfused_pays(*qkv(t=16, d=16, s=33), None, 0.0, False)
-    assert unfused_pays(*qkv(t=8, d=128, s=192), None, 0.0, False)
-    assert not unfused_pays(*qkv(t=8, d=128, s=193), None, 0.0, False)
-    assert unfused_pays(*qkv(t=8, d=16, s=193), None, 0.1, False)  # dropout: any length
+def test_training_runs_unfused_up_to_four_times_the_head_dim_of_keys_and_256_at_most():
+    assert unfused_pays(*qkv(t=16, d=16, s=64), None, 0.0, False)
+    assert not unfused_pays(*qkv(t=16, d=16, s=65), None, 0.0, False)
+    assert unfused_pays(*qkv(n=1, h=1, t=8, d=128, s=256), None, 0.0, False)
+    assert not unfused_pays(*qkv(n=1, h=1, t=8, d=128, s=257), None, 0.0, False)
+    assert unfused_pays(*qkv(t=8, d=16, s=257), None, 0.1, False)  # dropout: any length
 
 
-@pytest.mark.parametrize("case", ["more keys than twice the head dim", "fp16", "fp32",
+@pytest.mark.parametrize("case", ["more keys than 4x the head dim", "fp16", "fp32",
                                   "mask wants a gradient", "grouped heads", "fp32 mask",
                                   "no keys"])
 def test_other_calls_go_to_aten_unchanged(case):
-    q, k, v = qkv(t=16, d=16, s={"more keys than twice the head dim": 33, "no keys": 0}.get(case),
+    q, k, v = qkv(t=16, d=16, s={"more keys than 4x the head dim": 65, "no keys": 0}.get(case),
                   dtype=torch.float16 if case == "fp16" else
                   torch.float32 if case == "fp32" else BF16)
     mask, dropout, gqa = None, 0.0, False
