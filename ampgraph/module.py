@@ -34,6 +34,7 @@ from ampgraph.capture import (
 )
 from ampgraph.config import AmpConfig, dtype_name
 from ampgraph.runtime.attention import amp_attention
+from ampgraph.runtime.dropout import amp_dropout
 from ampgraph.runtime.outputs import OutputBuffers
 from ampgraph.runtime.weights import WeightCache
 from passes.fx import run_amp_passes
@@ -287,6 +288,7 @@ class AmpModule(nn.Module):
                 linear=self._amp_weights.amp_linear if backend is None else None,
                 embedding=self._amp_weights.amp_embedding if backend is None else None,
                 attention=amp_attention,
+                dropout=amp_dropout if backend is None else None,
                 output_cast=self._amp_outputs.cast if backend is None else None)
         except Exception as exc:
             self._go_eager(f"ampgraph pass failed: {_first_line(exc)}")

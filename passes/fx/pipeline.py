@@ -22,6 +22,7 @@ from passes.fx.insert_casts import annotate, insert_casts
 from passes.fx.layouts import contiguous_linear_inputs
 from passes.fx.routing import (
     route_attention,
+    route_dropouts,
     route_embeddings,
     route_linears,
     route_output_casts,
@@ -72,6 +73,7 @@ def run_amp_passes(
     linear: Callable[..., Any] | None = None,
     embedding: Callable[..., Any] | None = None,
     attention: Callable[..., Any] | None = None,
+    dropout: Callable[..., Any] | None = None,
     output_cast: Callable[..., Any] | None = None,
 ) -> FxAmpResult:
     """Rewrite ``gm`` in place for mixed precision and verify the result.
@@ -90,6 +92,8 @@ def run_amp_passes(
             ``embedding(table, ids, padding_idx)`` instead (likewise).
         attention: if given, low-precision ``aten.scaled_dot_product_attention`` nodes call
             it with the same arguments instead (the runtime's choice of kernel).
+        dropout: if given, low-precision ``aten.dropout`` nodes call it with the same
+            arguments instead (the runtime's draw of the mask).
         output_cast: if given, the casts of outputs back to their dtype call
             ``output_cast(x, dtype, slot)`` instead (a buffer the runtime may keep).
         fuse_norms: let fp32 norms take and return ``low`` activations where every use
@@ -110,7 +114,7 @@ def run_amp_passes(
         PassManager(amp_passes(
             policy, low, state, keep_io_types=keep_io_types, weight_cast=weight_cast,
             fuse_norms=fuse_norms, linear=linear, embedding=embedding, attention=attention,
-            output_cast=output_cast,
+            dropout=dropout, output_cast=output_cast,
         )).run(gm)
     return FxAmpResult(gm, state.decisions, state.casts)
 
@@ -135,6 +139,7 @@ def amp_passes(
     linear: Callable[..., Any] | None = None,
     embedding: Callable[..., Any] | None = None,
     attention: Callable[..., Any] | None = None,
+    dropout: Callable[..., Any] | None = None,
     output_cast: Callable[..., Any] | None = None,
 ) -> list[Callable[[fx.GraphModule], PassResult]]:
     """The passes :func:`run_amp_passes` runs, in order, each a named ``fn(gm) ->
@@ -179,6 +184,8 @@ def amp_passes(
             passes.append(named("route_embeddings", route_embeddings, embedding))
     if attention is not None:
         passes.append(named("route_attention", route_attention, attention, low))
+    if dropout is not None:
+        passes.append(named("route_dropouts", route_dropouts, dropout, low))
     if output_cast is not None and keep_io_types:
         passes.append(named("route_output_casts", route_output_casts, output_cast))
     passes.append(named("recompile", _recompile))

@@ -6,6 +6,7 @@
 - :func:`route_embeddings`: a lookup on a parameter table picks where its gradient goes.
 - :func:`route_attention`: attention calls the runtime's implementation, which picks the
   kernel for the shapes it meets.
+- :func:`route_dropouts`: dropout calls the runtime's, which draws its mask faster.
 - :func:`route_output_casts`: the casts of the outputs back to their dtype call the
   runtime's, which may write into a buffer it keeps.
 
@@ -145,6 +146,7 @@ def route_embeddings(gm: fx.GraphModule, embedding_fn: Callable[..., Any]) -> Pa
 
 
 ATTENTION = aten.scaled_dot_product_attention.default
+DROPOUT = aten.dropout.default
 
 
 def route_attention(gm: fx.GraphModule, attention_fn: Callable[..., Any], low: torch.dtype
@@ -156,15 +158,34 @@ def route_attention(gm: fx.GraphModule, attention_fn: Callable[..., Any], low: t
     Example:
         >>> route_attention(gm, amp_attention, torch.bfloat16)
     """
+    return _route_low(gm, ATTENTION, attention_fn, low, "query",
+                      "the runtime picks its kernel for the shapes it meets")
+
+
+def route_dropouts(gm: fx.GraphModule, dropout_fn: Callable[..., Any], low: torch.dtype
+                   ) -> PassResult:
+    """Replace low-precision ``aten.dropout`` nodes by ``dropout_fn`` called with the same
+    arguments (the runtime draws the mask its own way).
+
+    Example:
+        >>> route_dropouts(gm, amp_dropout, torch.bfloat16)
+    """
+    return _route_low(gm, DROPOUT, dropout_fn, low, "input",
+                      "the runtime draws its mask (the same keep probability)")
+
+
+def _route_low(gm: fx.GraphModule, target: Any, fn: Callable[..., Any], low: torch.dtype,
+               first: str, reason: str) -> PassResult:
+    """Point the ``target`` nodes painted low whose first tensor argument (or keyword
+    ``first``) is ``low`` at ``fn``, noting ``reason``."""
     modified = False
     for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target is ATTENTION \
+        if node.op == "call_function" and node.target is target \
                 and node.meta.get("amp_precision") == LOW and dtype_of(
-                    node.args[0] if node.args else node.kwargs.get("query")) == low:
-            node.target = attention_fn
-            node.meta["amp_orig_op"] = "aten.scaled_dot_product_attention"
-            node.meta["amp_reason"] = (f"{node.meta.get('amp_reason', '')}; the runtime "
-                                       "picks its kernel for the shapes it meets")
+                    node.args[0] if node.args else node.kwargs.get(first)) == low:
+            node.target = fn
+            node.meta["amp_orig_op"] = str(target.overloadpacket)
+            node.meta["amp_reason"] = f"{node.meta.get('amp_reason', '')}; {reason}"
             modified = True
     return PassResult(gm, modified)
 

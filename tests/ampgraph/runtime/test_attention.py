@@ -13,6 +13,7 @@ import ampgraph
 from ampgraph.cli.analysis import node_flops
 from ampgraph.runtime import attention
 from ampgraph.runtime.attention import amp_attention, unfused_pays
+from ampgraph.runtime.dropout import keep_mask
 from models import bert_encoder
 from tests.helpers import record
 
@@ -239,7 +240,7 @@ def cos(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("keys", [16, 48])  # within and beyond the no-dropout key limit
-def test_dropout_runs_unfused_and_drops_what_aten_drops_under_the_same_seed(keys):
+def test_dropout_runs_unfused_and_matches_aten_s_math_path_given_the_same_mask(keys):
     q, k, v = qkv(t=16, d=16, s=keys)
     mask = masks(4, 16, keys)["bool"][0]
     assert unfused_pays(q, k, v, mask, 0.3, False)
@@ -248,9 +249,12 @@ def test_dropout_runs_unfused_and_drops_what_aten_drops_under_the_same_seed(keys
     ours = amp_attention(q, k, v, mask, 0.3)
     assert "ampgraph_attention" in ours.grad_fn.name()
     got = torch.autograd.grad(ours, (q, k, v), grad)
-    torch.manual_seed(7)
-    ref = F.scaled_dot_product_attention(q, k, v, mask, 0.3)  # aten's fp32 math path
-    want = torch.autograd.grad(ref, (q, k, v), grad)
+    torch.manual_seed(7)  # the mask the op drew, handed to aten's fp32 math path
+    kept = keep_mask((4, 2, 16, keys), 0.7)
+    additive = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))  # as sdpa's front
+    ref = torch.ops.aten._scaled_dot_product_attention_math(
+        *(t.float() for t in (q, k, v)), additive, 0.3, dropout_mask=kept)[0]
+    want = torch.autograd.grad(ref, (q, k, v), grad.float())
     assert cos(ours, ref) >= 0.999
     assert all(cos(a, b) >= 0.99 for a, b in zip(got, want))
     torch.manual_seed(8)  # another mask: far apart, so the agreement above is the mask's
@@ -264,8 +268,8 @@ def test_dropout_keeps_one_minus_p_and_scales_the_kept_by_its_inverse():
     out, p, dropped = torch.ops.ampgraph.attention(q, k, v, None, False, 32 ** -0.5, 0.25)
     assert dropped.dtype == BF16 and dropped.shape == p.shape
     keep = dropped != 0
-    torch.set_rng_state(state)  # aten's draw: fp32 noise of the scores' shape
-    assert torch.equal(keep, torch.empty(p.shape).bernoulli_(0.75).bool())
+    torch.set_rng_state(state)  # the runtime's draw, of the scores' shape
+    assert torch.equal(keep, keep_mask(p.shape, 0.75))
     assert abs(keep.float().mean().item() - 0.75) < 0.01
     torch.testing.assert_close(dropped, (p.float() * keep / 0.75).to(BF16), rtol=0.01,
                                atol=0)  # p rounded after dropout, once
@@ -318,15 +322,23 @@ def test_a_boolean_mask_that_masks_nothing_is_dropped(training):
 def test_a_gradient_penalty_differentiates_the_unfused_attention_twice(kind, dropout):
     """create_graph=True through ``ampgraph::attention`` (its backward then runs as plain
     differentiable ops, with the dropout it drew): second-order gradients agree with aten's
-    math path under the same seed."""
+    math path given the same mask."""
     q, k, v = qkv()
     mask, causal = masks(4, 16, 16)[kind]
     assert unfused_pays(q, k, v, mask, dropout, False)
+
+    def aten_math(q, k, v, mask, dropout, is_causal):
+        if not dropout:
+            with sdpa_kernel([SDPBackend.MATH]):
+                return F.scaled_dot_product_attention(q, k, v, mask, is_causal=is_causal)
+        kept = keep_mask((*q.shape[:-1], k.shape[-2]), 1 - dropout)  # the op's draw
+        return torch.ops.aten._scaled_dot_product_attention_math(
+            *(t.float() for t in (q, k, v)), mask, dropout, is_causal, dropout_mask=kept)[0]
+
     second = []
-    for fn in (amp_attention, F.scaled_dot_product_attention):
+    for fn in (amp_attention, aten_math):
         torch.manual_seed(7)
-        with sdpa_kernel([SDPBackend.MATH]):
-            out = fn(q, k, v, mask, dropout, is_causal=causal)
+        out = fn(q, k, v, mask, dropout, is_causal=causal)
         if fn is amp_attention:
             assert "ampgraph_attention" in out.grad_fn.name()
         (gq,) = torch.autograd.grad(out.float().square().sum(), q, create_graph=True)
