@@ -279,17 +279,14 @@ class AmpModule(nn.Module):
         except Exception as exc:  # untraceable code: compile the children on their own
             self._go_eager(f"torch.export failed: {_first_line(exc)}")
             return None
-        backend = self.amp_config.backend
+        backend, cache = self.amp_config.backend, self._amp_weights
+        routes = dict(weight_cast=cache.cast, linear=cache.amp_linear, dropout=amp_dropout,
+                      embedding=cache.amp_embedding, output_cast=self._amp_outputs.cast
+                      ) if backend is None else {}  # the runtime's own ops: no backend= only
         try:
-            result = run_amp_passes(
-                captured.gm, self._amp_policy, self.amp_dtype,
-                keep_io_types=self.amp_config.keep_io_types,
-                weight_cast=self._amp_weights.cast if backend is None else None,
-                linear=self._amp_weights.amp_linear if backend is None else None,
-                embedding=self._amp_weights.amp_embedding if backend is None else None,
-                attention=amp_attention,
-                dropout=amp_dropout if backend is None else None,
-                output_cast=self._amp_outputs.cast if backend is None else None)
+            result = run_amp_passes(captured.gm, self._amp_policy, self.amp_dtype,
+                                    keep_io_types=self.amp_config.keep_io_types,
+                                    attention=amp_attention, **routes)
         except Exception as exc:
             self._go_eager(f"ampgraph pass failed: {_first_line(exc)}")
             return None
