@@ -117,28 +117,34 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """(dropout(softmax(q k^T * scale + mask)) v, the probabilities rounded to q's dtype,
     and with dropout the dropped and scaled ones that ``v`` was multiplied by, rounded once;
     empty without dropout, where those are the probabilities themselves)."""
+    _check_shapes(q, k, v)
     scores = (*q.shape[:-1], k.shape[-2])
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
     low = q.new_empty(scores)
     dropped = q.new_empty(scores if dropout_p else (0,))
-    noise = None
-    if dropout_p:  # the runtime's draw (dropout.py), over the whole scores; fp32 noise as aten's
-        noise = keep_mask(scores, 1 - dropout_p, q.device).float().div_(1 - dropout_p)
+    # the runtime's draw (dropout.py), once over the whole scores; fp32 noise as aten's
+    keep = keep_mask(scores, 1 - dropout_p, q.device) if dropout_p else None
     for at in _chunks(scores):
         p = _probabilities(q[at], k[at], _mask_chunk(attn_mask, at, q.dim()), is_causal, scale)
         low[at] = p
-        if noise is not None:
-            dropped[at] = p.mul_(noise[at])
-        torch.matmul(dropped[at] if noise is not None else low[at], v[at], out=out[at])
+        if keep is not None:
+            dropped[at] = p.mul_(keep[at].float().div_(1 - dropout_p))
+        torch.matmul(dropped[at] if keep is not None else low[at], v[at], out=out[at])
     return out, low, dropped
+
+
+def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """The ops take q, k and v with the same batch dims (chunks slice them alike)."""
+    torch._check(q.dim() >= 3 and q.shape[:-2] == k.shape[:-2] == v.shape[:-2],
+                 lambda: "ampgraph::attention wants q, k, v with the same batch dims")
 
 
 # Scores are made, and their softmax and its derivative taken, a chunk of heads at a time,
 # about this many bytes of fp32 scores each: the chunk's passes over them stay in the
 # cache. ViT-B/16's attention (8 x 12 heads x 197 keys x 64), forward and backward as
 # plain ops, took 17.2 ms over all 96 heads at once, 12.9 in chunks of 32, 11.9 of 16
-# (2.4 MB), 12.7 of 8; through this op, 14.0 ms against 25.1 unchunked and 21.5 for the
-# CPU flash kernel.
+# (2.4 MB), 12.7 of 8; through this op, in chunks of one batch entry (12 heads, 1.9 MB),
+# 14.0 ms against 25.1 unchunked and 21.5 for the CPU flash kernel.
 CHUNK_BYTES = 2 << 20
 
 
@@ -203,6 +209,7 @@ def _attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     by (``dropped``, or ``p`` where it is empty). With ``d`` those and ``dd = grad v^T``,
     the softmax derivative, in fp32, is ``(dd*d - p * rowsum(dd*d)) * scale``: dropout's
     mask and ``1 / (1 - dropout_p)`` enter through ``d`` (``p * dp = dd * d``)."""
+    _check_shapes(q, k, v)
     d = dropped if dropped.numel() else p
     dq, dk, dv = (t.new_empty(t.shape) for t in (q, k, v))
     for at in _chunks(p.shape):

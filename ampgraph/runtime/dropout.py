@@ -3,7 +3,7 @@
 aten's CPU dropout draws its mask with ``bernoulli_``, about 5 ns an element on our CPUs:
 ~200 ms of a BERT-base training step (8 x 128 tokens, dropout 0.1), in every mode. The
 mask here is drawn as 31-bit uniform integers from the same default generator
-(``random_``, ~1.6 ns an element) kept where they fall below ``(1 - p) * 2**31``: the same
+(``random_``, ~1.6 ns an element) kept where they fall below ``(1 - p) * 2**31`` rounded: the same
 keep probability to 2**-31, reproducible under ``torch.manual_seed`` as aten's, but not
 aten's positions. Everything else is aten's ``dropout``: the kept values are multiplied by
 ``1 / (1 - p)`` computed in the input's dtype, and the product saves that noise for
@@ -21,7 +21,7 @@ def keep_mask(shape: tuple, keep: float, device: torch.device | str = "cpu") -> 
     """Booleans of ``shape``, each true with probability ``keep`` (to 2**-31), drawn from
     the default generator of ``device``."""
     draws = torch.empty(shape, dtype=torch.int32, device=device).random_()  # [0, 2**31)
-    return draws < round(keep * 2 ** 31)
+    return draws <= round(keep * 2 ** 31) - 1  # < 2**31 itself would wrap in int32
 
 
 def amp_dropout(input: torch.Tensor, p: float, train: bool) -> torch.Tensor:

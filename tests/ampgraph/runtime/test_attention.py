@@ -70,12 +70,21 @@ def test_unfused_attention_is_as_accurate_as_the_fused_kernel(kind):
 
 
 @pytest.mark.parametrize("chunk", ["heads", "batch entries"])
-@pytest.mark.parametrize("kind", ["none", "additive", "bool", "causal", "dropout"])
+@pytest.mark.parametrize("kind", ["none", "additive", "bool", "causal", "dropout",
+                                  "2-D mask", "per-head mask", "permuted", "3-D"])
 def test_chunks_of_heads_give_the_whole_tensors_results_bit_for_bit(kind, chunk, monkeypatch):
     q, k, v = (t.detach() for t in qkv(t=16, d=16, s=24))
-    mask, causal = masks(4, 16, 24)["bool" if kind == "dropout" else kind]
+    mask, causal = masks(4, 16, 24).get("bool" if kind == "dropout" else kind, (None, False))
     dropout = 0.3 if kind == "dropout" else 0.0
     grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(2)).to(BF16)
+    if kind == "2-D mask":
+        mask = torch.rand(16, 24, generator=torch.Generator().manual_seed(3)) > 0.3
+    if kind == "per-head mask":
+        mask = torch.randn(1, 2, 16, 24, generator=torch.Generator().manual_seed(3)).to(BF16)
+    if kind == "permuted":  # strides of a projection's views, as in a ViT
+        q, k, v, grad = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v, grad))
+    if kind == "3-D":  # batch and heads in one dim: chunks of the first dim only
+        q, k, v, grad = (t.flatten(0, 1) for t in (q, k, v, grad))
 
     def run():
         torch.manual_seed(5)
@@ -87,6 +96,7 @@ def test_chunks_of_heads_give_the_whole_tensors_results_bit_for_bit(kind, chunk,
     per_head = 4 * 16 * 24  # bytes of one head's fp32 scores
     monkeypatch.setattr(attention, "CHUNK_BYTES", per_head if chunk == "heads" else 2 * per_head)
     assert len(list(attention._chunks((4, 2, 16, 24)))) == (8 if chunk == "heads" else 4)
+    assert len(list(attention._chunks((8, 16, 24)))) == (8 if chunk == "heads" else 4)
     for got, want in zip(run(), whole):
         assert torch.equal(got, want)
 

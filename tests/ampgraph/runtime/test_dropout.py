@@ -23,6 +23,14 @@ def test_the_mask_keeps_each_element_with_the_asked_probability(keep):
     assert abs(rows.std().item() - (keep * (1 - keep) / 1024) ** 0.5) < 0.003
 
 
+def test_the_mask_keeps_everything_at_keep_one_and_nothing_near_zero():
+    assert keep_mask((1000,), 1.0).all()  # the threshold 2**31 itself does not fit an int32
+    assert keep_mask((1000,), 1 - 1e-12).all()
+    assert not keep_mask((1000,), 1e-12).any()
+    x = torch.ones(1000, dtype=BF16)
+    assert torch.equal(amp_dropout(x, 1e-12, True), torch.dropout(x, 1e-12, True))
+
+
 def test_the_mask_is_reproducible_under_a_seed():
     torch.manual_seed(3)
     a = keep_mask((64, 64), 0.7)
@@ -76,6 +84,8 @@ def test_o2_routes_training_dropout_and_reports_it():
         torch.manual_seed(9)
         runs.append(net(x))
     assert torch.equal(*runs)  # reproducible under a seed
+    hidden = ampgraph.compile(nn.Sequential(model.fc, model.drop), "O2", BF16)(x)
+    assert abs((hidden == 0).float().mean().item() - 0.25) < 0.05  # p = 0.25 dropped
     gm = net._amp_last.captured.gm
     (node,) = [n for n in gm.graph.nodes if n.target is amp_dropout]
     assert node.meta["amp_orig_op"] == "aten.dropout" and "draws its mask" in node.meta[
@@ -92,5 +102,5 @@ def test_o2_routes_training_dropout_and_reports_it():
 def test_a_torch_compile_backend_keeps_aten_s_dropout():
     net = ampgraph.compile(Net(), "O2", BF16, backend="aot_eager")
     net(torch.randn(4, 16))
-    assert not any(n.target is amp_dropout for _, c in net.amp_parts()[0]
-                   for n in c.gm.graph.nodes)
+    targets = [n.target for _, c in net.amp_parts()[0] for n in c.gm.graph.nodes]
+    assert torch.ops.aten.dropout.default in targets and amp_dropout not in targets
