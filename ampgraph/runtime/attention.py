@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from ampgraph.runtime.dropout import keep_mask
+from ampgraph.runtime.dropout import keep_mask, scaled
 
 aten = torch.ops.aten
 
@@ -128,7 +128,7 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         p = _probabilities(q[at], k[at], _mask_chunk(attn_mask, at, q.dim()), is_causal, scale)
         low[at] = p
         if keep is not None:
-            dropped[at] = p.mul_(keep[at].float().div_(1 - dropout_p))
+            dropped[at] = p.mul_(scaled(keep[at], dropout_p, torch.float32))
         torch.matmul(dropped[at] if keep is not None else low[at], v[at], out=out[at])
     return out, low, dropped
 

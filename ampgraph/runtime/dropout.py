@@ -24,11 +24,16 @@ def keep_mask(shape: tuple, keep: float, device: torch.device | str = "cpu") -> 
     return draws <= round(keep * 2 ** 31) - 1  # < 2**31 itself would wrap in int32
 
 
+def scaled(mask: torch.Tensor, p: float, dtype: torch.dtype) -> torch.Tensor:
+    """aten's dropout noise from a keep ``mask``: ``1 / (1 - p)`` where kept, else 0,
+    computed in ``dtype`` (in a 16-bit dtype the scale is rounded, as aten's is)."""
+    return mask.to(dtype).div_(1 - p)
+
+
 def amp_dropout(input: torch.Tensor, p: float, train: bool) -> torch.Tensor:
     """``aten.dropout(input, p, train)``, its mask drawn by :func:`keep_mask` for a dense
     floating-point CPU tensor in training with ``0 < p < 1``; aten's otherwise."""
     if not (train and 0 < p < 1 and input.device.type == "cpu"
             and input.is_floating_point() and input.layout == torch.strided):
         return aten.dropout.default(input, p, train)
-    noise = keep_mask(input.shape, 1 - p).to(input.dtype).div_(1 - p)
-    return input * noise
+    return input * scaled(keep_mask(input.shape, 1 - p), p, input.dtype)
