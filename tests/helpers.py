@@ -23,6 +23,7 @@ MATMUL_OPS = {
     "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention",
     "attention",  # ampgraph::attention, the unfused CPU attention (ampgraph.runtime.attention)
+    "_linear_pointwise",  # oneDNN's linear on a packed weight (ampgraph.runtime.packed)
 }
 NORM_OPS = {
     "native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_functional",

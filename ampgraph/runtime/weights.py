@@ -31,10 +31,12 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from ampgraph.runtime import packed
 from ampgraph.runtime.buffers import take_free
 
 
@@ -241,25 +243,35 @@ class WeightCache:
             with torch.inference_mode(False):
                 buf = _empty(p, dtype, memory_format)
             return _CastInto.apply(p, buf)
+        return self._inference_copy(p, ("infer", dtype, memory_format), lambda d: d.to(
+            dtype, memory_format=memory_format or torch.preserve_format))
+
+    def _inference_copy(self, p: torch.Tensor, tag: tuple,
+                        make: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """The copy ``make(p.detach())`` kept under ``tag``, made again once the master
+        changes (its version counter, data pointer, device or shape)."""
         key = (p._version, p.data_ptr(), p.device, tuple(p.shape))
         with self._lock:
             per = self._per_param(p)
-            entry = per.get(("infer", dtype, memory_format))
+            entry = per.get(tag)
             if entry is None or entry[0] != key:
                 with torch.inference_mode(False), torch.no_grad():
-                    copy = p.detach().to(dtype, memory_format=memory_format
-                                         or torch.preserve_format)
-                    entry = per[("infer", dtype, memory_format)] = (key, copy)
+                    entry = per[tag] = (key, make(p.detach()))
             return entry[1]
 
     def amp_linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
                    shared: bool = False) -> torch.Tensor:
         """``aten.linear(x, w.to(x.dtype), b)`` for an fp32 master weight ``w`` (see
         :class:`_Linear`; ``shared``: other nodes use ``w`` too); without gradients, the
-        inference working copy is used."""
+        inference working copy is used, packed for oneDNN where it runs the dtype."""
         if torch.is_grad_enabled() and w.requires_grad:
             return _Linear.apply(x, w, b, self, shared)
         b = self.cast(b, x.dtype) if b is not None else None
+        if packed.usable(x, w):  # the working copy in oneDNN's layout (see packed.py)
+            rows = x.numel() // max(1, x.shape[-1])
+            wp = self._inference_copy(w, ("infer", x.dtype, "packed"),
+                                      lambda d: packed.pack(d.to(x.dtype), rows))
+            return packed.linear(x, wp, b)
         return torch.ops.aten.linear.default(x, self.cast(w, x.dtype), b)
 
     def amp_embedding(self, w: torch.Tensor, ids: torch.Tensor, padding_idx: int = -1,

@@ -1,0 +1,128 @@
+"""ampgraph/runtime/packed.py: inference linears on weights packed for oneDNN."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import ampgraph
+from ampgraph.runtime import packed
+from ampgraph.runtime.weights import WeightCache
+
+BF16 = torch.bfloat16
+needs_onednn_bf16 = pytest.mark.skipif(not packed._runs(BF16),
+                                       reason="this CPU's oneDNN does not run bf16")
+
+
+def packed_entries(cache: WeightCache) -> list[torch.Tensor]:
+    return [entry[1] for _, per in cache._slots.values() for tag, entry in per.items()
+            if tag[-1] == "packed"]
+
+
+def aten_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.aten.linear.default(x, w.to(x.dtype), None if b is None else b.to(x.dtype))
+
+
+@needs_onednn_bf16
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_packed_linear_is_aten_s_for_any_rows_after_packing(bias):
+    torch.manual_seed(0)
+    cache = WeightCache()
+    w, b = nn.Parameter(torch.randn(96, 64)), nn.Parameter(torch.randn(96)) if bias else None
+    shapes = [(8, 64), (1, 64), (3, 64), (200, 64), (2, 5, 64), (4, 3, 7, 64), (64,)]
+    with torch.no_grad():
+        for shape in shapes:  # packed on the first call's 8 rows, a hint only
+            x = torch.randn(*shape).to(BF16)
+            got = cache.amp_linear(x, w, b)
+            torch.testing.assert_close(got, aten_linear(x, w, b))
+            assert got.shape == (*shape[:-1], 96) and got.dtype == BF16
+    (wp,) = packed_entries(cache)  # one packed copy, made once
+    assert wp.layout == torch._mkldnn and wp.dtype == BF16
+
+
+@needs_onednn_bf16
+def test_non_contiguous_and_empty_inputs():
+    torch.manual_seed(0)
+    cache = WeightCache()
+    w, b = torch.randn(48, 16), torch.randn(48)
+    with torch.no_grad():
+        for x in (torch.randn(16, 10).to(BF16).t(), torch.randn(9, 4, 16).to(BF16).transpose(0, 1),
+                  torch.randn(0, 16).to(BF16)):
+            # aten runs the transposed 3-D input as a bmm: another summation order
+            torch.testing.assert_close(cache.amp_linear(x, w, b), aten_linear(x, w, b),
+                                       rtol=1.6e-2, atol=1e-2)
+    assert packed_entries(cache)
+
+
+@needs_onednn_bf16
+def test_an_update_of_the_master_repacks():
+    torch.manual_seed(0)
+    cache = WeightCache()
+    w = nn.Parameter(torch.randn(32, 16))
+    x = torch.randn(4, 16).to(BF16)
+    with torch.no_grad():
+        before = cache.amp_linear(x, w)
+        w.mul_(-2)  # what an optimizer step does: the version counter moves
+        after = cache.amp_linear(x, w)
+    torch.testing.assert_close(after, aten_linear(x, w, None))
+    torch.testing.assert_close(after, -2 * before)
+    assert len(packed_entries(cache)) == 1
+    cache.drop_inference_copies(w)
+    assert packed_entries(cache) == []
+
+
+@needs_onednn_bf16
+def test_cache_size_counts_the_packed_copy():
+    cache, w = WeightCache(), torch.randn(128, 64)
+    with torch.no_grad():
+        cache.amp_linear(torch.randn(4, 64).to(BF16), w)
+    assert cache.nbytes() >= 128 * 64 * 2
+    del w  # the entry dies with its master
+    assert cache.nbytes() == 0
+
+
+def test_what_is_not_packed_goes_to_aten():
+    """An input that records a gradient (a frozen weight, as under LoRA), a weight already
+    in the input's dtype, oneDNN switched off and a tensor subclass keep aten's linear."""
+    torch.manual_seed(0)
+    cache = WeightCache()
+    w = torch.randn(32, 16)  # frozen: no requires_grad
+    x = torch.randn(4, 16).to(BF16).requires_grad_()
+    out = cache.amp_linear(x, w)
+    out.float().sum().backward()
+    torch.testing.assert_close(x.grad, w.to(BF16).sum(0).expand(4, -1))
+    with torch.no_grad():
+        cache.amp_linear(x.detach(), w.to(BF16))
+        with torch.backends.mkldnn.flags(enabled=False):
+            off = cache.amp_linear(x.detach(), w)
+    torch.testing.assert_close(off, aten_linear(x.detach(), w, None))
+    assert packed_entries(cache) == []
+
+    class Sub(torch.Tensor):
+        pass
+
+    assert not packed.usable(x.detach().as_subclass(Sub), w)
+    assert not packed.usable(x.detach(), torch.randn(32, 8))  # shapes that do not match
+
+
+@needs_onednn_bf16
+@pytest.mark.parametrize("context", [torch.no_grad, torch.inference_mode])
+def test_a_compiled_model_infers_on_packed_weights_and_trains_after(context):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 10))
+    net = ampgraph.compile(model, amp_level="O2").eval()
+    x = torch.randn(8, 64)
+    with context():
+        got = net(x)
+    with torch.no_grad():
+        h = nn.functional.gelu(aten_linear(x.to(BF16), model[0].weight, model[0].bias))
+        ref = aten_linear(h, model[2].weight, model[2].bias).float()
+    torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)
+    cache = net._amp_weights
+    assert len(packed_entries(cache)) == 2
+    net.train()
+    net(x).sum().backward()  # training drops the now stale packed copies
+    assert packed_entries(cache) == []
+    assert all(p.grad is not None for p in model.parameters())
+    net.clear_weight_cache()
