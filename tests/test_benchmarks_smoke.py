@@ -86,3 +86,10 @@ def test_onnx_convert_speed_smoke(tmp_path):
     assert {"load + input check", "rewrite (casts, initializers)", "verify"} <= set(phases)
     assert phases["rewrite (casts, initializers)"] > 0 and phases["verify"] > 0
     assert "ampgraph by phase" in proc.stdout
+
+
+def test_packed_linear_smoke():
+    proc = run("benchmarks/packed_linear.py", "--smoke")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [line for line in proc.stdout.splitlines() if "max |diff|" in line]
+    assert len(lines) == 2 or "does not run" in proc.stdout, proc.stdout

@@ -4,9 +4,11 @@ aten's CPU ``linear`` in bf16 or fp16 reorders the weight into oneDNN's blocked 
 every call. An inference working copy lives until its master changes, so the weight cache
 keeps it in that layout instead (what inductor's weight freezing does on the CPU) and calls
 oneDNN's linear on it. The products are oneDNN's, as aten's (equal to aten's bit for bit on
-contiguous inputs in our tests). Measured against ``aten.linear`` on the 2-core Xeon (bf16,
-2 threads; docs/performance.md): a 8x64 @ 64x128 product 23 -> 18 us, a 4x768 @ 768x3072
-one (a decoding step) 169 -> 94 us, 1024x768 @ 768x3072 1.92 -> 1.65 ms.
+contiguous inputs in our tests). ``benchmarks/packed_linear.py`` on the 2-core Xeon (bf16,
+2 threads; aten's linear on a cast weight against ``WeightCache.amp_linear``): 256x256 @
+256x256 65 -> 48 us, 4x768 @ 768x3072 (a decoding step) 211 -> 164 us, 1024x768 @ 768x3072
+2.18 -> 1.75 ms, 256x4096 @ 4096x4096 5.14 -> 4.87 ms; tiny products gain about what the
+cache lookup costs (8x64 @ 64x128: 25.7 -> 25.0 us).
 
 Only where oneDNN runs the dtype (``_is_mkldnn_bf16_supported`` / ``_fp16``), oneDNN is
 enabled, and on plain CPU tensors with no gradient to record: anything else (a tracer's
