@@ -30,6 +30,13 @@ SHAPES = [(8, 64, 128), (32, 128, 128), (4, 768, 3072), (256, 256, 256), (256, 1
           (1024, 768, 768), (1024, 768, 3072), (1024, 3072, 768), (256, 4096, 4096)]
 
 
+def _calls(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> dict:
+    """The two ways of running ``linear(x, w, b)`` for an fp32 ``w`` and ``b``."""
+    wl, bl, cache = w.to(x.dtype), b.to(x.dtype), WeightCache()
+    return {"aten": lambda: torch.ops.aten.linear.default(x, wl, bl),
+            "packed": lambda: cache.amp_linear(x, w, b)}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
@@ -44,10 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"threads {torch.get_num_threads()}, {args.dtype}; median us (aten / packed)")
     for rows, k, n in shapes:
         torch.manual_seed(0)
-        x, w, b = torch.randn(rows, k).to(low), torch.randn(n, k), torch.randn(n)
-        wl, bl, cache = w.to(low), b.to(low), WeightCache()
-        calls = {"aten": lambda: torch.ops.aten.linear.default(x, wl, bl),
-                 "packed": lambda: cache.amp_linear(x, w, b)}
+        calls = _calls(torch.randn(rows, k).to(low), torch.randn(n, k), torch.randn(n))
         repeats = args.repeats or max(10, min(2000, int(2e9 / (rows * k * n))))
         times: dict[str, list[float]] = {name: [] for name in calls}
         with torch.no_grad():
