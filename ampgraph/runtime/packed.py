@@ -3,16 +3,20 @@
 aten's CPU ``linear`` in bf16 or fp16 reorders the weight into oneDNN's blocked layout on
 every call. An inference working copy lives until its master changes, so the weight cache
 keeps it in that layout instead (what inductor's weight freezing does on the CPU) and calls
-oneDNN's linear on it. The products are oneDNN's, as aten's (equal to aten's bit for bit on
-contiguous inputs in our tests). ``benchmarks/packed_linear.py`` on the 2-core Xeon (bf16,
-2 threads; aten's linear on a cast weight against ``WeightCache.amp_linear``): 256x256 @
-256x256 65 -> 48 us, 4x768 @ 768x3072 (a decoding step) 211 -> 164 us, 1024x768 @ 768x3072
-2.18 -> 1.75 ms, 256x4096 @ 4096x4096 5.14 -> 4.87 ms; tiny products gain about what the
-cache lookup costs (8x64 @ 64x128: 25.7 -> 25.0 us).
+oneDNN's linear on it. The products are oneDNN's, as aten's (on our Xeon equal to aten's
+bit for bit on contiguous inputs; the tests allow the dtype's rounding).
+``benchmarks/packed_linear.py`` on the 2-core Xeon (bf16, 2 threads; aten's linear on a
+cast weight against ``WeightCache.amp_linear``): 256x256 @ 256x256 65 -> 48 us, 4x768 @
+768x3072 (a decoding step) 211 -> 164 us, 1024x768 @ 768x3072 2.18 -> 1.75 ms, 256x4096 @
+4096x4096 5.14 -> 4.87 ms; tiny products gain about what the cache lookup costs (8x64 @
+64x128: 25.7 -> 25.0 us).
 
 Only where oneDNN runs the dtype (``_is_mkldnn_bf16_supported`` / ``_fp16``), oneDNN is
-enabled, and on plain CPU tensors with no gradient to record: anything else (a tracer's
-fake tensors, a tensor subclass, an input that requires grad) goes to ``aten.linear``.
+enabled, and on plain CPU tensors with no derivative to record (see :func:`usable`):
+anything else (torch.compile's tracing, forward-mode AD or functorch transforms, a tensor
+subclass, an input or bias that requires grad) goes to ``aten.linear``. The packed layout
+is chosen for the first call's number of rows; other row counts give the same products.
+A weight also cast elsewhere in low precision keeps both copies.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch.autograd import forward_ad
 
 
 @functools.cache
@@ -32,16 +37,22 @@ def _runs(dtype: torch.dtype) -> bool:
     return supported is not None and bool(supported())
 
 
-def usable(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether ``linear(x, w.to(x.dtype))`` may run on a packed copy of the weight ``w``:
+def usable(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
+    """Whether ``linear(x, w.to(x.dtype), b)`` may run on a packed copy of the weight ``w``:
     a plain 2-D CPU weight of another dtype (a copy is made anyway: the packed one takes its
-    place), a plain CPU input whose last dimension matches, and nothing for autograd."""
-    return (type(x) is torch.Tensor and type(w) in (torch.Tensor, torch.nn.Parameter)
+    place), a plain CPU input whose last dimension matches, outside torch.compile's tracing
+    and forward-mode AD, and with nothing for autograd to record (oneDNN's op has no
+    derivative: an input or bias that requires grad goes to aten, whose linear has one)."""
+    return (not torch.compiler.is_compiling()
+            and type(x) is torch.Tensor and type(w) in (torch.Tensor, torch.nn.Parameter)
             and x.device.type == "cpu" and w.device.type == "cpu"
             and x.layout == torch.strided and w.layout == torch.strided
             and w.dim() == 2 and x.dim() >= 1 and x.shape[-1] == w.shape[1]
             and w.dtype != x.dtype and _runs(x.dtype) and torch._C._get_mkldnn_enabled()
-            and not (torch.is_grad_enabled() and x.requires_grad))
+            and not (torch.is_grad_enabled() and (
+                x.requires_grad or b is not None and b.requires_grad))
+            and forward_ad._current_level < 0
+            and not torch._C._functorch.is_functorch_wrapped_tensor(x))
 
 
 def pack(w: torch.Tensor, rows: int) -> torch.Tensor:

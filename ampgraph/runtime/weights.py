@@ -267,7 +267,7 @@ class WeightCache:
         if torch.is_grad_enabled() and w.requires_grad:
             return _Linear.apply(x, w, b, self, shared)
         b = self.cast(b, x.dtype) if b is not None else None
-        if packed.usable(x, w):  # the working copy in oneDNN's layout (see packed.py)
+        if packed.usable(x, w, b):  # the working copy in oneDNN's layout (see packed.py)
             rows = x.numel() // max(1, x.shape[-1])
             wp = self._inference_copy(w, ("infer", x.dtype, "packed"),
                                       lambda d: packed.pack(d.to(x.dtype), rows))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torch.autograd import forward_ad as fwAD
 
 import ampgraph
 from ampgraph.runtime import packed
@@ -24,21 +25,23 @@ def aten_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> tor
     return torch.ops.aten.linear.default(x, w.to(x.dtype), None if b is None else b.to(x.dtype))
 
 
-@needs_onednn_bf16
+@pytest.mark.parametrize("dtype", [BF16, torch.float16])
 @pytest.mark.parametrize("bias", [True, False])
-def test_the_packed_linear_is_aten_s_for_any_rows_after_packing(bias):
+def test_the_packed_linear_is_aten_s_for_any_rows_after_packing(bias, dtype):
+    if not packed._runs(dtype):
+        pytest.skip(f"this CPU's oneDNN does not run {dtype}")
     torch.manual_seed(0)
     cache = WeightCache()
     w, b = nn.Parameter(torch.randn(96, 64)), nn.Parameter(torch.randn(96)) if bias else None
     shapes = [(8, 64), (1, 64), (3, 64), (200, 64), (2, 5, 64), (4, 3, 7, 64), (64,)]
     with torch.no_grad():
         for shape in shapes:  # packed on the first call's 8 rows, a hint only
-            x = torch.randn(*shape).to(BF16)
+            x = torch.randn(*shape).to(dtype)
             got = cache.amp_linear(x, w, b)
             torch.testing.assert_close(got, aten_linear(x, w, b))
-            assert got.shape == (*shape[:-1], 96) and got.dtype == BF16
+            assert got.shape == (*shape[:-1], 96) and got.dtype == dtype
     (wp,) = packed_entries(cache)  # one packed copy, made once
-    assert wp.layout == torch._mkldnn and wp.dtype == BF16
+    assert wp.layout == torch._mkldnn and wp.dtype == dtype
 
 
 @needs_onednn_bf16
@@ -102,8 +105,8 @@ def test_what_is_not_packed_goes_to_aten():
     class Sub(torch.Tensor):
         pass
 
-    assert not packed.usable(x.detach().as_subclass(Sub), w)
-    assert not packed.usable(x.detach(), torch.randn(32, 8))  # shapes that do not match
+    assert not packed.usable(x.detach().as_subclass(Sub), w, None)
+    assert not packed.usable(x.detach(), torch.randn(32, 8), None)  # shapes that do not match
 
 
 @needs_onednn_bf16
@@ -126,3 +129,41 @@ def test_a_compiled_model_infers_on_packed_weights_and_trains_after(context):
     assert packed_entries(cache) == []
     assert all(p.grad is not None for p in model.parameters())
     net.clear_weight_cache()
+
+
+@needs_onednn_bf16
+def test_a_bias_that_trains_on_a_frozen_weight_keeps_its_gradient():
+    """BitFit-style: oneDNN's op has no derivative, so such a call goes to aten."""
+    torch.manual_seed(0)
+    cache = WeightCache()
+    w = torch.randn(32, 16)  # frozen
+    for b in (nn.Parameter(torch.randn(32)), nn.Parameter(torch.randn(32).to(BF16))):
+        cache.amp_linear(torch.randn(4, 16).to(BF16), w, b).float().sum().backward()
+        torch.testing.assert_close(b.grad, torch.full_like(b, 4.0))
+    assert packed_entries(cache) == []
+
+
+@needs_onednn_bf16
+def test_forward_mode_ad_keeps_its_tangent():
+    torch.manual_seed(0)
+    cache = WeightCache()
+    w = torch.randn(32, 16)
+    x, t = torch.randn(4, 16).to(BF16), torch.randn(4, 16).to(BF16)
+    want = aten_linear(t, w, None)
+    with torch.no_grad(), fwAD.dual_level():
+        tangent = fwAD.unpack_dual(cache.amp_linear(fwAD.make_dual(x, t), w)).tangent
+    torch.testing.assert_close(tangent, want)
+    _, tangent = torch.func.jvp(lambda v: cache.amp_linear(v, w), (x,), (t,))
+    torch.testing.assert_close(tangent, want)
+    assert packed_entries(cache) == []
+
+
+@needs_onednn_bf16
+def test_torch_compile_traces_aten_s_linear():
+    """torch.compile sees plain tensors; it must not trace oneDNN's packed op (inductor
+    cannot lower it on a packed weight)."""
+    w, x = torch.randn(32, 16), torch.randn(4, 16).to(BF16)
+    assert packed.usable(x, w, None)
+    traced = torch.compile(lambda v: v + packed.usable(v, w, None), backend="eager",
+                           fullgraph=True)
+    torch.testing.assert_close(traced(x), x)  # usable was False while tracing
