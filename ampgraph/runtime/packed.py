@@ -16,7 +16,9 @@ enabled, and on plain CPU tensors with no derivative to record (see :func:`usabl
 anything else (torch.compile's tracing, forward-mode AD or functorch transforms, a tensor
 subclass, an input or bias that requires grad) goes to ``aten.linear``. The packed layout
 is chosen for the first call's number of rows; other row counts give the same products.
-A weight also cast elsewhere in low precision keeps both copies.
+A weight keeps one inference copy for its linears, the packed or the plain one (a frozen
+weight linear'd with and without input gradients, as under LoRA, swaps them); one also
+cast by another node keeps that node's plain copy too.
 """
 
 from __future__ import annotations

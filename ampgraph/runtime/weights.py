@@ -267,11 +267,16 @@ class WeightCache:
         if torch.is_grad_enabled() and w.requires_grad:
             return _Linear.apply(x, w, b, self, shared)
         b = self.cast(b, x.dtype) if b is not None else None
-        if packed.usable(x, w, b):  # the working copy in oneDNN's layout (see packed.py)
+        # one inference copy a weight (a frozen one, as under LoRA, is linear'd with and
+        # without input gradients): the packed copy in oneDNN's layout (see packed.py) where
+        # it can serve, else the plain one
+        plain, packed_tag = ("infer", x.dtype, None), ("infer", x.dtype, "packed")
+        if packed.usable(x, w, b):
             rows = x.numel() // max(1, x.shape[-1])
-            wp = self._inference_copy(w, ("infer", x.dtype, "packed"),
-                                      lambda d: packed.pack(d.to(x.dtype), rows))
+            wp = self._inference_copy(w, packed_tag, lambda d: packed.pack(d.to(x.dtype), rows))
+            self._drop_copy(w, plain)
             return packed.linear(x, wp, b)
+        self._drop_copy(w, packed_tag)
         return torch.ops.aten.linear.default(x, self.cast(w, x.dtype), b)
 
     def amp_embedding(self, w: torch.Tensor, ids: torch.Tensor, padding_idx: int = -1,
@@ -411,6 +416,10 @@ class WeightCache:
                 per = self._per_param(p)
                 for key in [k for k in per if k[0] == "infer"]:
                     del per[key]
+
+    def _drop_copy(self, p: torch.Tensor, tag: tuple) -> None:
+        with self._lock:
+            self._per_param(p).pop(tag, None)
 
     def clear(self) -> None:
         with self._lock:

@@ -167,3 +167,21 @@ def test_torch_compile_traces_aten_s_linear():
     traced = torch.compile(lambda v: v + packed.usable(v, w, None), backend="eager",
                            fullgraph=True)
     torch.testing.assert_close(traced(x), x)  # usable was False while tracing
+
+
+@needs_onednn_bf16
+def test_a_frozen_weight_keeps_one_inference_copy():
+    """Under LoRA a frozen base weight is linear'd with input gradients in training (the
+    plain copy) and without in evaluation (the packed one): never both at once."""
+    cache = WeightCache()
+    w, x = torch.randn(32, 16), torch.randn(4, 16).to(BF16)
+
+    def copies():
+        return sorted(str(tag[-1]) for _, per in cache._slots.values() for tag in per)
+
+    for _ in range(2):
+        cache.amp_linear(x.clone().requires_grad_(), w).sum().backward()
+        assert copies() == ["None"]
+        with torch.no_grad():
+            cache.amp_linear(x, w)
+        assert copies() == ["packed"]
