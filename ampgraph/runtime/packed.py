@@ -49,7 +49,7 @@ def usable(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
             and type(x) is torch.Tensor and type(w) in (torch.Tensor, torch.nn.Parameter)
             and x.device.type == "cpu" and w.device.type == "cpu"
             and x.layout == torch.strided and w.layout == torch.strided
-            and w.dim() == 2 and x.dim() >= 1 and x.shape[-1] == w.shape[1]
+            and w.dim() == 2 and w.numel() > 0 and x.dim() >= 1 and x.shape[-1] == w.shape[1]
             and w.dtype != x.dtype and _runs(x.dtype) and torch._C._get_mkldnn_enabled()
             and not (torch.is_grad_enabled() and (
                 x.requires_grad or b is not None and b.requires_grad))

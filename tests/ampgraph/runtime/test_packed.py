@@ -107,6 +107,10 @@ def test_what_is_not_packed_goes_to_aten():
 
     assert not packed.usable(x.detach().as_subclass(Sub), w, None)
     assert not packed.usable(x.detach(), torch.randn(32, 8), None)  # shapes that do not match
+    with torch.no_grad():  # oneDNN has no primitive for an empty weight: aten's zeros
+        for w0 in (torch.randn(0, 16), torch.randn(8, 0)):
+            x0 = torch.randn(4, w0.shape[1]).to(BF16)
+            torch.testing.assert_close(cache.amp_linear(x0, w0), aten_linear(x0, w0, None))
 
 
 @needs_onednn_bf16
