@@ -267,16 +267,16 @@ class WeightCache:
         if torch.is_grad_enabled() and w.requires_grad:
             return _Linear.apply(x, w, b, self, shared)
         b = self.cast(b, x.dtype) if b is not None else None
-        # one inference copy a weight (a frozen one, as under LoRA, is linear'd with and
-        # without input gradients): the packed copy in oneDNN's layout (see packed.py) where
-        # it can serve, else the plain one
-        plain, packed_tag = ("infer", x.dtype, None), ("infer", x.dtype, "packed")
+        # one inference copy a weight for its linears (a frozen one, as under LoRA, is
+        # linear'd with and without input gradients): the packed copy in oneDNN's layout
+        # (see packed.py) where it can serve, which replaces the plain one when it is made
+        packed_tag = ("infer", x.dtype, "packed")
         if packed.usable(x, w, b):
-            rows = x.numel() // max(1, x.shape[-1])
-            wp = self._inference_copy(w, packed_tag, lambda d: packed.pack(d.to(x.dtype), rows))
-            self._drop_copy(w, plain)
-            return packed.linear(x, wp, b)
-        self._drop_copy(w, packed_tag)
+            def pack(d: torch.Tensor) -> torch.Tensor:
+                self._drop(w, ("infer", x.dtype, None))
+                return packed.pack(d.to(x.dtype), x.numel() // max(1, x.shape[-1]))
+            return packed.linear(x, self._inference_copy(w, packed_tag, pack), b)
+        self._drop(w, packed_tag)
         return torch.ops.aten.linear.default(x, self.cast(w, x.dtype), b)
 
     def amp_embedding(self, w: torch.Tensor, ids: torch.Tensor, padding_idx: int = -1,
@@ -388,7 +388,7 @@ class WeightCache:
         autograd sums tied gradients in place only into a tensor nothing else holds."""
         if w.numel() >= KEPT_GRAD_NUMEL and not shared and w.grad is not None:
             return weakref.ref(w)
-        self._drop_grad_buffer(w)
+        self._drop(w, ("grad", w.dtype))
         return None
 
     def kept_grad(self, ref: weakref.ref | None) -> torch.Tensor | None:
@@ -399,14 +399,14 @@ class WeightCache:
         if w is None:
             return None
         if w.grad is not None:
-            self._drop_grad_buffer(w)
+            self._drop(w, ("grad", w.dtype))
             return None
         return self.grad_buffer(w)
 
-    def _drop_grad_buffer(self, p: torch.Tensor) -> None:
-        """Forget ``p``'s gradient buffer (a gradient that holds it keeps it alive)."""
+    def _drop(self, p: torch.Tensor, tag: tuple) -> None:
+        """Forget ``p``'s entry ``tag`` (a tensor still holding a buffer keeps it alive)."""
         with self._lock:
-            self._per_param(p).pop(("grad", p.dtype), None)
+            self._per_param(p).pop(tag, None)
 
     def drop_inference_copies(self, *params: torch.Tensor) -> None:
         """Forget the inference copies of ``params``: training changes them, so they would
@@ -416,10 +416,6 @@ class WeightCache:
                 per = self._per_param(p)
                 for key in [k for k in per if k[0] == "infer"]:
                     del per[key]
-
-    def _drop_copy(self, p: torch.Tensor, tag: tuple) -> None:
-        with self._lock:
-            self._per_param(p).pop(tag, None)
 
     def clear(self) -> None:
         with self._lock:
