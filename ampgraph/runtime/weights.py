@@ -17,11 +17,13 @@ working copy is kept between steps when a fresh one could fault its pages in (ab
 ``KEPT_COPY_BYTES``); a buffer still referenced by a live autograd graph (two forwards
 before one backward) is never overwritten, a new one is made. A weight of
 ``BLOCKED_NUMEL`` elements or more is cast block by block, in forward and again in
-backward, so no whole low-precision copy of it exists. The gradient of a weight of
-``KEPT_GRAD_NUMEL`` elements or more goes into a buffer kept between steps while the last
-gradient lives through forward anyway (zero_grad after forward), unless other nodes use
-the weight too (tied embeddings); other gradients are fresh tensors, as autograd's own
-(measured with benchmarks/real_models.py and benchmarks/perf.py: docs/performance.md).
+backward (``blocked.py``), so no whole low-precision copy of it exists. The gradient of a
+weight of ``KEPT_GRAD_NUMEL`` elements or more goes into a buffer kept between steps while
+the last gradient lives through forward anyway (zero_grad after forward), unless other
+nodes use the weight too (tied embeddings); other gradients are fresh tensors, as
+autograd's own (measured with benchmarks/real_models.py and benchmarks/perf.py:
+docs/performance.md). A weight or table too small for any of this trains as autocast's
+(a cast, aten's linear or embedding): autograd's own backward, with no Python in it.
 
 Weights changed through ``.data`` bypass version counters: call
 ``AmpModule.clear_weight_cache()`` after such an update.
@@ -36,7 +38,7 @@ from typing import Any
 
 import torch
 
-from ampgraph.runtime import packed
+from ampgraph.runtime import blocked, packed
 from ampgraph.runtime.buffers import take_free
 
 
@@ -99,7 +101,7 @@ class _Linear(torch.autograd.Function):
         ctx.master = w  # not saved: an update before backward is allowed, as autocast's
         if ctx.blocked:  # backward reads the master only for grad_input
             ctx.save_for_backward(x, w if ctx.needs_input_grad[0] else None)
-            return cache.blocked_linear(x, w, bl)
+            return blocked.linear(x, w, bl, cache._pooled)
         wl = cache.working_copy(w, x.dtype)
         ctx.wl_owned = wl.data_ptr() != w.data_ptr()
         ctx.save_for_backward(x, wl)
@@ -115,18 +117,19 @@ class _Linear(torch.autograd.Function):
         # create_graph (a gradient penalty differentiates these again): plain ops, and the
         # weight's share through its master, to which the working copy has no graph
         graph = torch.is_grad_enabled()
-        blocked = ctx.blocked and not graph
+        in_blocks = ctx.blocked and not graph
         if graph:
             wl = ctx.master.to(grad.dtype)
         if need_x:
-            if blocked:  # wl is the fp32 master
-                gx = ctx.cache.blocked_grad_input(grad2, wl).view(*grad.shape[:-1], -1)
+            if in_blocks:  # wl is the fp32 master
+                gx = blocked.grad_input(grad2, wl, ctx.cache._pooled).view(
+                    *grad.shape[:-1], -1)
             else:
                 gx = grad.matmul(wl)
         if need_w:
             out = None if graph else ctx.cache.kept_grad(ctx.w_ref)
-            if blocked:
-                gw = ctx.cache.blocked_weight_grad(grad2, x2, ctx.w_dtype, out)
+            if in_blocks:
+                gw = blocked.weight_grad(grad2, x2, ctx.w_dtype, out, ctx.cache._pooled)
             else:  # into the working copy once nothing reads it again, else a fresh tensor
                 low = torch.mm(grad2.t(), x2, out=wl) \
                     if not graph and _dead(wl, ctx.wl_owned) else grad2.t().mm(x2)
@@ -174,6 +177,15 @@ def _dead(wl: torch.Tensor, owned: bool) -> bool:
     return owned and wl.is_contiguous() and keep_graph is not None and not keep_graph()
 
 
+def _small(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether a training linear on ``w`` runs as autocast's does, a fresh cast of the
+    weight and aten's linear, with autograd's own backward: its copy is not kept (below
+    ``KEPT_COPY_BYTES``), nor its gradient, nor is it blocked, so :class:`_Linear` would add
+    only its Python (on a 3-linear MLP of width 128, 130 of a step's 610 us)."""
+    return (w.numel() * x.dtype.itemsize < KEPT_COPY_BYTES and w.numel() < KEPT_GRAD_NUMEL
+            and not _blockable(x, w, x.requires_grad))
+
+
 def _blockable(x: torch.Tensor, w: torch.Tensor, need_x: bool) -> bool:
     """Whether :class:`_Linear` runs ``w`` in blocks: a plain 2-D weight, an input with a
     batch dimension, both on the CPU (where fresh or extra weight-sized memory costs page
@@ -182,7 +194,7 @@ def _blockable(x: torch.Tensor, w: torch.Tensor, need_x: bool) -> bool:
     needs no gradient (a network's first layer), so autocast's copy dies after forward,
     and a kept one would be live at the backward's peak (a smaller one would keep a
     pooled scratch its size instead)."""
-    size = w.numel() >= BLOCKED_NUMEL or not need_x and w.numel() > SCRATCH_NUMEL
+    size = w.numel() >= BLOCKED_NUMEL or not need_x and w.numel() > blocked.SCRATCH_NUMEL
     return (size and w.dim() == 2 and x.dim() >= 2
             and w.layout == torch.strided and x.layout == torch.strided
             and w.device.type == "cpu" and x.device.type == "cpu")
@@ -205,7 +217,6 @@ BLOCKED_NUMEL = 1 << 26
 # first layer keeps no working copy: see _blockable).
 KEPT_GRAD_NUMEL = 1 << 22
 KEPT_COPY_BYTES = 128 << 10  # glibc's default (smallest) mmap threshold
-SCRATCH_NUMEL = 1 << 20  # elements of low-precision weight gradient computed per block
 MAX_SCRATCH = 4  # pooled scratches per shape (threads running backward at once)
 
 
@@ -240,6 +251,9 @@ class WeightCache:
             return p
         if torch.is_grad_enabled() and p.requires_grad:
             self.drop_inference_copies(p)  # stale after the next update anyway
+            if p.numel() * dtype.itemsize < KEPT_COPY_BYTES:  # aten's backward, no Python;
+                # AccumulateGrad gives the master a gradient of its own strides (a copy)
+                return p.to(dtype, memory_format=memory_format or torch.preserve_format)
             with torch.inference_mode(False):
                 buf = _empty(p, dtype, memory_format)
             return _CastInto.apply(p, buf)
@@ -265,7 +279,11 @@ class WeightCache:
         :class:`_Linear`; ``shared``: other nodes use ``w`` too); without gradients, the
         inference working copy is used, packed for oneDNN where it runs the dtype."""
         if torch.is_grad_enabled() and w.requires_grad:
-            return _Linear.apply(x, w, b, self, shared)
+            if not _small(x, w):
+                return _Linear.apply(x, w, b, self, shared)
+            self.drop_inference_copies(w)  # stale after the update anyway
+            b = b.to(x.dtype) if b is not None else None
+            return torch.ops.aten.linear.default(x, w.to(x.dtype), b)
         b = self.cast(b, x.dtype) if b is not None else None
         # one inference copy a weight for its linears (a frozen one, as under LoRA, is
         # linear'd with and without input gradients): the packed copy in oneDNN's layout
@@ -282,62 +300,11 @@ class WeightCache:
     def amp_embedding(self, w: torch.Tensor, ids: torch.Tensor, padding_idx: int = -1,
                       shared: bool = False) -> torch.Tensor:
         """``aten.embedding(w, ids, padding_idx)`` on an fp32 table (see :class:`_Embedding`;
-        ``shared``: other nodes use ``w`` too)."""
-        if torch.is_grad_enabled() and w.requires_grad:
+        ``shared``: other nodes use ``w`` too); a table too small for its gradient to be
+        kept is aten's, whose backward needs no Python."""
+        if torch.is_grad_enabled() and w.requires_grad and w.numel() >= KEPT_GRAD_NUMEL:
             return _Embedding.apply(w, ids, padding_idx, self, shared)
-        return torch.ops.aten.embedding.default(w, ids, padding_idx)
-
-    def blocked_linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
-                       ) -> torch.Tensor:
-        """``aten.linear(x, w.to(x.dtype), b)`` casting ``w`` a block of rows at a time."""
-        x2 = x.reshape(-1, x.shape[-1])
-        out = torch.empty(x2.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
-        for r, n, block in self._cast_blocks(w, 0, x.dtype):
-            if b is None:
-                torch.mm(x2, block.t(), out=out[:, r:r + n])
-            else:
-                torch.addmm(b[r:r + n], x2, block.t(), out=out[:, r:r + n])
-        return out.view(*x.shape[:-1], w.shape[0])
-
-    def blocked_grad_input(self, grad: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """``grad @ w.to(grad.dtype)`` casting ``w`` a block of columns at a time."""
-        out = torch.empty(grad.shape[0], w.shape[1], dtype=grad.dtype, device=grad.device)
-        # each block is one pass over grad: a quarter of the columns at least (GPT-2's
-        # 50257x768 head in 20-column blocks took 141 ms, in 166-column ones 58)
-        wide = max(SCRATCH_NUMEL, -(-w.numel() // 4))
-        for c, n, block in self._cast_blocks(w, 1, grad.dtype, wide):
-            torch.mm(grad, block, out=out[:, c:c + n])
-        return out
-
-    def _cast_blocks(self, w: torch.Tensor, dim: int, dtype: torch.dtype,
-                     numel: int = 0):
-        """Yield ``(start, n, block)``: the 2-D ``w`` cast to ``dtype`` ``n`` rows (``dim``
-        0) or columns (``dim`` 1) at a time into a pooled scratch of at most
-        ``numel or SCRATCH_NUMEL`` elements (a column block keeps the scratch's row stride)."""
-        size, other = w.shape[dim], w.shape[1 - dim]
-        step = min(size, max(1, (numel or SCRATCH_NUMEL) // other))
-        scratch = self._pooled((step, other) if dim == 0 else (other, step), dtype, w.device)
-        for start in range(0, size, step):
-            n = min(step, size - start)
-            yield start, n, scratch.narrow(dim, 0, n).copy_(w.narrow(dim, start, n))
-
-    def blocked_weight_grad(self, grad: torch.Tensor, x: torch.Tensor, dtype: torch.dtype,
-                            out: torch.Tensor | None = None) -> torch.Tensor:
-        """``(grad.T @ x).to(dtype)`` into ``out`` (or a new tensor), a block of rows at a
-        time through a scratch from the pool the blocked forward uses too: no whole
-        low-precision gradient is made."""
-        rows = grad.shape[1]
-        if out is None:
-            out = torch.empty(rows, x.shape[1], dtype=dtype, device=grad.device)
-        step = max(1, SCRATCH_NUMEL // max(1, x.shape[1]))
-        scratch = self._pooled((step, x.shape[1]), grad.dtype, grad.device)
-        gt = grad.t()
-        for r in range(0, rows, step):
-            n = min(step, rows - r)
-            block = scratch[:n]
-            torch.mm(gt[r:r + n], x, out=block)
-            out[r:r + n].copy_(block)
-        return out
+        return torch.ops.aten.embedding.default(w, ids, padding_idx)  # aten's own backward
 
     def _pooled(self, shape: tuple, dtype: torch.dtype, device: torch.device
                 ) -> torch.Tensor:

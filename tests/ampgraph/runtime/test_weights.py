@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+import ampgraph.runtime.blocked as blocked
 import ampgraph.runtime.weights as weights
 from ampgraph.runtime.weights import WeightCache
 from passes.fx import run_amp_passes
@@ -43,17 +44,28 @@ def fused_and_plain(model, x):
     return fused, cache, plain
 
 
-def blocks(monkeypatch, scratch, blocked=None):
-    """Cast and compute weights of ``blocked`` (default: ``scratch``) elements or more block
-    by block, ``scratch`` elements at a time."""
-    monkeypatch.setattr(weights, "SCRATCH_NUMEL", scratch)
-    monkeypatch.setattr(weights, "BLOCKED_NUMEL", scratch if blocked is None else blocked)
+def blocks(monkeypatch, scratch, at=None):
+    """Cast and compute weights of ``at`` (default: ``scratch``) elements or more block by
+    block, ``scratch`` elements at a time."""
+    monkeypatch.setattr(blocked, "SCRATCH_NUMEL", scratch)
+    monkeypatch.setattr(weights, "BLOCKED_NUMEL", scratch if at is None else at)
 
 
-@pytest.mark.parametrize("block", [None, 40])  # one block, or 2-3 rows per block
-def test_routed_linears_give_the_same_outputs_and_gradients_as_aten_linear(block, monkeypatch):
-    if block is not None:
-        blocks(monkeypatch, block)
+def paths(monkeypatch, path):
+    """Net's linears as ``path``: "aten" (small weights, by default: aten's linear on a fresh
+    cast), "whole" (the fused linear on a whole working copy) or "blocked" (2-3 rows a
+    block); returns the block size or None."""
+    if path == "whole":
+        monkeypatch.setattr(weights, "KEPT_COPY_BYTES", 0)
+    if path == "blocked":
+        blocks(monkeypatch, 40)
+        return 40
+    return None
+
+
+@pytest.mark.parametrize("path", ["aten", "whole", "blocked"])
+def test_routed_linears_give_the_same_outputs_and_gradients_as_aten_linear(path, monkeypatch):
+    block = paths(monkeypatch, path)
     torch.manual_seed(0)
     for shape in ((5, 16), (2, 3, 16)):  # 2-D and batched inputs
         model = Net()
@@ -145,7 +157,7 @@ def test_a_first_layer_keeps_no_working_copy_that_backward_would_not_read(monkey
     so the weight is cast block by block in forward and no whole copy outlives it (as
     autocast's dies after forward); the gradients are aten's."""
     monkeypatch.setattr(weights, "KEPT_COPY_BYTES", 0)  # every whole copy would be kept
-    monkeypatch.setattr(weights, "SCRATCH_NUMEL", 64)  # fc1 (512) in blocks of 4 rows
+    monkeypatch.setattr(blocked, "SCRATCH_NUMEL", 64)  # fc1 (512) in blocks of 4 rows
     torch.manual_seed(0)
     model = Net()
     x = torch.randn(3, 16)
@@ -159,11 +171,11 @@ def test_a_first_layer_keeps_no_working_copy_that_backward_would_not_read(monkey
     shapes = {tuple(t.shape) for t in cache.train_copies()}
     assert (32, 16) not in shapes and (8, 32) in shapes, shapes  # fc1 none, fc3 kept
     assert ((4, 16), torch.bfloat16, x.device) in cache._scratch
-    monkeypatch.setattr(weights, "SCRATCH_NUMEL", 512)  # fc1 in one block: a copy is kept
+    monkeypatch.setattr(blocked, "SCRATCH_NUMEL", 512)  # fc1 in one block: a copy is kept
     gm(x).sum().backward()
     assert (32, 16) in {tuple(t.shape) for t in cache.train_copies()}
     cache.clear()
-    monkeypatch.setattr(weights, "SCRATCH_NUMEL", 64)
+    monkeypatch.setattr(blocked, "SCRATCH_NUMEL", 64)
     gm(x.clone().requires_grad_()).sum().backward()  # needs grad @ w: a whole copy again
     assert (32, 16) in {tuple(t.shape) for t in cache.train_copies()}
 
@@ -185,7 +197,7 @@ def test_a_large_linear_keeps_no_whole_low_precision_copy_of_its_weight(monkeypa
     buffers kept between steps count): the fp32 gradient plus less than a bf16 copy."""
     import time
 
-    monkeypatch.setattr(weights, "BLOCKED_NUMEL", weights.SCRATCH_NUMEL)  # 2M: blocked
+    monkeypatch.setattr(weights, "BLOCKED_NUMEL", blocked.SCRATCH_NUMEL)  # 2M: blocked
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(1024, 2048), nn.ReLU(), nn.Linear(2048, 8))
@@ -306,9 +318,13 @@ def test_a_large_gradient_buffer_is_kept_only_while_the_last_gradient_outlives_f
     torch.testing.assert_close(w.grad, ref, rtol=1e-2, atol=1e-4)
 
 
-def test_conv_weights_of_a_channels_last_graph_are_cast_channels_last():
+@pytest.mark.parametrize("small", [True, False])
+def test_conv_weights_of_a_channels_last_graph_are_cast_channels_last(small, monkeypatch):
     """The convolutions run NHWC: an NCHW 3x3 weight would be copied on every call. The
-    cast writes channels-last; the gradient keeps the master's strides; values as aten's."""
+    cast writes channels-last; the gradient keeps the master's strides (a small weight's
+    by AccumulateGrad's copy, a larger one's by the cast's backward); values as aten's."""
+    if not small:
+        monkeypatch.setattr(weights, "KEPT_COPY_BYTES", 0)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
                           nn.Conv2d(8, 8, 3, padding=1), nn.AdaptiveAvgPool2d(1),
@@ -397,12 +413,11 @@ def test_a_backward_that_creates_a_graph_keeps_the_working_copy(monkeypatch):
     torch.testing.assert_close(ga, gb)
 
 
-@pytest.mark.parametrize("blocked", [False, True])
-def test_a_gradient_penalty_reaches_the_weights_through_routed_linears(blocked, monkeypatch):
+@pytest.mark.parametrize("path", ["aten", "whole", "blocked"])
+def test_a_gradient_penalty_reaches_the_weights_through_routed_linears(path, monkeypatch):
     """d/dw of |d loss / dx|^2 (WGAN-GP, input-gradient regularisers): with create_graph the
     linear's gradients are ops of the fp32 master, as aten's linear on a cast weight."""
-    if blocked:
-        blocks(monkeypatch, 40)
+    paths(monkeypatch, path)
     torch.manual_seed(0)
     model = Net()
     x = torch.randn(3, 16)
@@ -413,3 +428,34 @@ def test_a_gradient_penalty_reaches_the_weights_through_routed_linears(blocked, 
         g.square().sum().backward()
     for (name, p), q in zip(gm.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=2e-2, atol=2e-2, msg=name)
+
+
+def python_backward_nodes(out):
+    """Names of the autograd nodes behind ``out`` that run Python (custom Functions)."""
+    seen, todo, names = set(), [out.grad_fn], set()
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        if isinstance(fn, torch.autograd.function.BackwardCFunction):
+            names.add(type(fn).__name__)
+        todo.extend(f for f, _ in fn.next_functions)
+    return names
+
+
+@pytest.mark.parametrize("small", [True, False])
+def test_small_weights_train_on_aten_s_ops_with_no_python_in_backward(small, monkeypatch):
+    """A weight whose copy and gradient would not be kept, and that is not blocked, trains
+    as autocast's: a cast and aten's linear / embedding (autograd's backward, no Python)."""
+    if not small:
+        monkeypatch.setattr(weights, "KEPT_COPY_BYTES", 0)
+        monkeypatch.setattr(weights, "KEPT_GRAD_NUMEL", 0)
+    torch.manual_seed(0)
+    gm, _ = compiled(Lookup(), torch.randint(0, 50, (3, 5)), True)
+    net, _ = compiled(Net(), torch.randn(3, 16), True)
+    found = python_backward_nodes(gm(torch.randint(0, 50, (3, 5))))
+    found |= python_backward_nodes(net(torch.randn(3, 16)))
+    # fc2's weight, shared by two linears, is cast once by the cache's cast
+    assert found == (set() if small else {"_EmbeddingBackward", "_LinearBackward",
+                                          "_CastIntoBackward"})
