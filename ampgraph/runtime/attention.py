@@ -73,7 +73,8 @@ def unfused_pays(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """bf16 on the CPU, no grouped heads or batch broadcasting, a boolean or bf16 mask that
     needs no gradient and broadcasts to the scores, at least one key, and either dropout
     (aten would run its fp32 math path) or, when training, rows short enough that the
-    unfused kernels are faster and their kept probabilities small (:func:`_short`)."""
+    unfused kernels are faster and their kept probabilities small (:func:`_short`); and
+    enough scores for that to pay at all (:func:`_many_scores`)."""
     if not (0 <= dropout_p < 1) or not (dropout_p or training):
         return False
     tensors = (q, k, v) if attn_mask is None else (q, k, v, attn_mask)
@@ -82,6 +83,7 @@ def unfused_pays(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             and not enable_gqa and q.dim() >= 3
             and q.shape[:-2] == k.shape[:-2] == v.shape[:-2]
             and 0 < k.shape[-2] and (dropout_p > 0 or _short(k.shape[-2], v.shape[-1]))
+            and _many_scores(q, k, dropout_p)
             and (attn_mask is None or (
                 attn_mask.dtype in (torch.bool, q.dtype) and not attn_mask.requires_grad
                 and _fits(attn_mask.shape, (*q.shape[:-1], k.shape[-2])))))
@@ -99,6 +101,21 @@ def _short(keys: int, head_dim: int) -> bool:
 
 
 MAX_UNFUSED_KEYS = 256
+
+
+def _many_scores(q: torch.Tensor, k: torch.Tensor, dropout_p: float) -> bool:
+    """Enough scores for the unfused kernels' fixed costs to pay: six bf16 matmuls of ~20
+    us each however small (oneDNN's, on our CPUs) and the op's dispatch, ~0.4 ms a training
+    call in all. Forward and backward, bf16, 2 threads, batch x heads x queries x keys/head
+    dim, us aten / unfused: without dropout 2x2x12x12/16 (a tiny HF model) 76 / 389,
+    2x2x64x64/64 421 / 543, 2x4x64x64/16 728 / 578, 4x4x64x64/32 1362 / 715; aten's math
+    path with dropout 0.1 is faster up to twice as many: 2x4x64x64/16 527 / 824,
+    1x8x64x64/64 845 / 907, 4x4x64x64/32 1059 / 998, 8x8x64x64/64 3884 / 2449."""
+    scores = q.numel() // max(1, q.shape[-1]) * k.shape[-2]
+    return scores >= MIN_UNFUSED_SCORES * (2 if dropout_p > 0 else 1)
+
+
+MIN_UNFUSED_SCORES = 1 << 15
 
 
 def _fits(shape: torch.Size, target: tuple) -> bool:

@@ -18,6 +18,13 @@ from models import bert_encoder
 from tests.helpers import record
 
 BF16 = torch.bfloat16
+MIN_SCORES = attention.MIN_UNFUSED_SCORES
+
+
+@pytest.fixture(autouse=True)
+def small_shapes_run_unfused(monkeypatch):
+    """These tests' shapes are far below the size where unfused pays (``_many_scores``)."""
+    monkeypatch.setattr(attention, "MIN_UNFUSED_SCORES", 0)
 
 
 def qkv(n=4, h=2, t=16, d=16, s=None, dtype=BF16, seed=0):
@@ -151,6 +158,17 @@ def test_the_custom_ops_pass_opcheck(kind):
     torch.library.opcheck(torch.ops.ampgraph.attention_backward.default,
                           (torch.randn_like(out), q.detach(), k.detach(), v.detach(), p,
                            dropped, 0.35))
+
+
+def test_too_few_scores_go_to_aten_s_kernels(monkeypatch):
+    monkeypatch.setattr(attention, "MIN_UNFUSED_SCORES", MIN_SCORES)
+    assert not unfused_pays(*qkv(n=2, h=2, t=12, d=16), None, 0.0, False)  # a tiny HF model
+    per_batch = 2 * 16 * 16  # scores of one batch row: 2 heads x 16 queries x 16 keys
+    assert unfused_pays(*qkv(n=MIN_SCORES // per_batch), None, 0.0, False)
+    assert not unfused_pays(*qkv(n=MIN_SCORES // per_batch - 1), None, 0.0, False)
+    # aten's math path with dropout is faster up to twice as many
+    assert unfused_pays(*qkv(n=2 * MIN_SCORES // per_batch), None, 0.1, False)
+    assert not unfused_pays(*qkv(n=2 * MIN_SCORES // per_batch - 1), None, 0.1, False)
 
 
 def test_training_runs_unfused_up_to_four_times_the_head_dim_of_keys_and_256_at_most():
