@@ -148,9 +148,12 @@ class Captured:
     dims: list[tuple]  # per tensor input: per dim an int (static) or (symbol, lo, hi)
     # (index in custom_objects(inputs), spec of its new contents) for inputs the model mutates
     writeback: list[tuple[int, Any]] = dataclasses.field(default_factory=list)
+    # export's guards on the input sizes, taken out of the graph (see _hoist_guards)
+    guards: Any = None
 
     def __post_init__(self) -> None:
         self.uses_inputs = bool(self.writeback) or spec_uses_inputs(self.out_spec)
+        self._guarded: set[tuple] = set()  # input shapes the guards passed
 
     def rebuild(self, flat: Any, args: tuple, kwargs: dict) -> Any:
         """The user's output structure from the graph's flat outputs; inputs the model
@@ -183,7 +186,26 @@ class Captured:
                     sym, lo, hi = d
                     if bound.setdefault(sym, size) != size or not lo <= size <= hi:
                         return False
+        return self.guards is None or self._guards_pass(leaves, tensors)
+
+    def _guards_pass(self, leaves: list[Any], tensors: list[torch.Tensor]) -> bool:
+        """Whether export's guards hold for these inputs, remembered per input shapes
+        (non-tensor inputs are part of the graph's signature): they depend on nothing else,
+        and a model of windows and patches (Swin) has hundreds, 1.6 ms a call."""
+        shapes = tuple(t.shape for t in tensors)
+        if shapes in self._guarded:
+            return True
+        try:
+            self.guards(*leaves)
+        except AssertionError:  # torch._assert's: another graph is captured for them
+            return False
+        if len(self._guarded) >= MAX_GUARDED_SHAPES:
+            self._guarded.clear()
+        self._guarded.add(shapes)
         return True
+
+
+MAX_GUARDED_SHAPES = 1024
 
 
 def export_module(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
@@ -200,6 +222,7 @@ def export_module(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
     # input structure (`signature`) and checks shapes (`Captured.accepts`); the graph's
     # own guard function still runs inside forward.
     gm.validate_inputs = False
+    guards = _hoist_guards(gm, flatten_inputs(args, kwargs)[0])
     inline_no_grad_regions(gm)
     _repoint_state(gm, model)
     dims = []
@@ -208,7 +231,26 @@ def export_module(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
         if node.op == "placeholder" and isinstance(node.meta.get("val"), torch.Tensor):
             dims.append(tuple(_dim_spec(s, ranges) for s in node.meta["val"].shape))
     _, out_spec, writeback = strip_tensors(root.__dict__["_out_spec"]())
-    return Captured(gm, out_spec, dims, writeback)
+    return Captured(gm, out_spec, dims, writeback, guards)
+
+
+def _hoist_guards(gm: fx.GraphModule, leaves: list[Any]) -> nn.Module | None:
+    """Take the call of export's guard function (asserts on the input sizes: ranges,
+    equalities, divisibility) out of the graph, with the unlifted module's hooks around
+    each call, and return the function for :class:`Captured` to call once per new input
+    shapes. Left as it is (None) unless the call takes exactly the flat inputs, one per
+    leaf, and no input is a module (the hooks' only work is for such inputs)."""
+    calls = [n for n in gm.graph.nodes if n.op == "call_module" and n.target == "_guards_fn"]
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(calls) != 1 or list(calls[0].args) != placeholders \
+            or len(placeholders) != len(leaves) or any(isinstance(x, nn.Module) for x in leaves):
+        return None
+    gm.graph.erase_node(calls[0])
+    gm.recompile()
+    for hooks in (gm._forward_pre_hooks, gm._forward_pre_hooks_with_kwargs, gm._forward_hooks,
+                  gm._forward_hooks_always_called):
+        hooks.clear()  # validate_inputs is off; the others only act on module inputs
+    return gm._guards_fn
 
 
 @contextlib.contextmanager
