@@ -11,7 +11,7 @@ the runtime), ``hazards`` (range analysis), ``verify`` and ``pipeline``;
 from __future__ import annotations
 
 from passes.fx.dtypes import dtype_of, is_amp_cast
-from passes.fx.fold import count_casts, fold_casts
+from passes.fx.fold import count_casts, drop_dead_ops, fold_casts
 from passes.fx.graph import build_dataflow, op_key, prepare
 from passes.fx.insert_casts import annotate, insert_casts
 from passes.fx.pipeline import FxAmpResult, amp_passes, run_amp_passes
@@ -23,6 +23,7 @@ __all__ = [
     "annotate",
     "build_dataflow",
     "count_casts",
+    "drop_dead_ops",
     "dtype_of",
     "fold_casts",
     "insert_casts",

@@ -13,7 +13,7 @@ import torch
 from torch import fx
 
 from passes._infra import PassManager, PassResult, named
-from passes.fx.fold import count_casts, fold_casts
+from passes.fx.fold import count_casts, drop_dead_ops, fold_casts
 from passes.fx.fusions import channels_last_inputs, fuse_norm_casts, sink_gather_casts
 from passes.fx.graph import build_dataflow, prepare
 from passes.fx.hazards import mark_range_hazards
@@ -171,6 +171,7 @@ def amp_passes(
             named("sink_gather_casts", sink_gather_casts, low),
         ]
     passes += [
+        named("drop_dead_ops", drop_dead_ops, recompile=False),
         named("contiguous_linear_inputs", contiguous_linear_inputs, low),
         named("verify", verify, low),
         named("count_casts", _count_casts, state),

@@ -54,7 +54,7 @@ EXPECTED_PASSES = [
     "prepare", "build_dataflow", "mark_range_hazards", "mark_index_values", "paint",
     "annotate", "insert_casts",
     "fold_casts", "fuse_norm_casts", "channels_last_inputs", "sink_gather_casts",
-    "contiguous_linear_inputs", "verify",
+    "drop_dead_ops", "contiguous_linear_inputs", "verify",
     "count_casts", "route_weight_casts", "route_linears", "route_embeddings",
     "route_attention", "recompile",
 ]
@@ -72,7 +72,7 @@ def test_the_pipeline_is_a_list_of_named_passes():
                                 fuse_norms=False, linear=fn)
     assert [p.__name__ for p in plain] == [
         "prepare", "build_dataflow", "paint", "annotate", "insert_casts", "fold_casts",
-        "contiguous_linear_inputs", "verify", "count_casts", "recompile"]
+        "drop_dead_ops", "contiguous_linear_inputs", "verify", "count_casts", "recompile"]
 
 
 def failing_route(gm, fn, low):
