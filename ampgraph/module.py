@@ -30,6 +30,7 @@ from ampgraph.capture import (
     flatten_inputs,
     preserved_global_state,
     share_state,
+    shortcut_attribute_paths,
     signature_of,
 )
 from ampgraph.config import AmpConfig, dtype_name
@@ -202,10 +203,8 @@ class AmpModule(nn.Module):
                 child.clear_weight_cache()
 
     def __deepcopy__(self, memo: dict) -> AmpModule:
-        clone = AmpModule(copy.deepcopy(self._amp_model, memo), self.amp_config, self.amp_dtype,
-                          self._amp_path)
-        clone.train(self.training)
-        return clone
+        return AmpModule(copy.deepcopy(self._amp_model, memo), self.amp_config, self.amp_dtype,
+                         self._amp_path).train(self.training)
 
     @property
     def original_module(self) -> nn.Module:
@@ -298,7 +297,9 @@ class AmpModule(nn.Module):
         for transform in self._amp_transforms:
             transform(captured.gm)
         runner = captured.gm
-        if backend is not None:  # hand the rewritten aten graph to torch.compile
+        if backend is None:
+            shortcut_attribute_paths(captured.gm)
+        else:  # hand the rewritten aten graph to torch.compile
             runner = torch.compile(captured.gm, backend=backend, dynamic=True)
         return Compiled(captured, result.decisions, result.casts, runner)
 

@@ -19,6 +19,7 @@ from ampgraph.capture.export import (
     flatten_inputs,
     quiet_export_logs,
     share_state,
+    shortcut_attribute_paths,
     signature,
     signature_of,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "quiet_export_logs",
     "register_hf_caches",
     "share_state",
+    "shortcut_attribute_paths",
     "signature",
     "signature_of",
     "unflatten_output",

@@ -172,3 +172,22 @@ def test_inputs_failing_export_s_guards_get_a_graph_of_their_own():
         assert even.accepts_leaves([torch.randn(10, 6)])
     assert not even.accepts_leaves([torch.randn(7, 6)])
     assert calls == [1, 1], "once per new shape"
+
+
+def test_the_graph_reads_submodules_as_plain_attributes_and_setattr_still_wins():
+    """The generated code's ``getattr(self, "0")...weight`` chains read instance-dict
+    entries (nn.Module.__getattr__ costs ~1 us a step); replacing a submodule through
+    nn.Module.__setattr__ drops the entry, so the graph reads the new one."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.Linear(4, 4)), nn.ReLU())
+    net = ampgraph.compile(model, amp_level="O2")
+    x = torch.randn(2, 4)
+    net(x)
+    gm = net._amp_last.captured.gm
+    assert gm.__dict__["0"] is gm._modules["0"]
+    assert gm.__dict__["0"].__dict__["0"] is gm._modules["0"]._modules["0"]
+    inner = nn.Sequential(nn.Linear(4, 4))
+    setattr(gm, "0", inner)
+    assert "0" not in gm.__dict__
+    with torch.no_grad():
+        torch.testing.assert_close(gm((x,), {})[0], torch.relu(inner(x)), rtol=2e-2, atol=2e-2)
