@@ -11,7 +11,13 @@ the runtime), ``hazards`` (range analysis), ``verify`` and ``pipeline``;
 from __future__ import annotations
 
 from passes.fx.dtypes import dtype_of, is_amp_cast
-from passes.fx.fold import count_casts, drop_dead_ops, fold_casts
+from passes.fx.fold import (
+    count_casts,
+    drop_dead_ops,
+    fold_casts,
+    merge_duplicate_ops,
+    skip_whole_slices,
+)
 from passes.fx.graph import build_dataflow, op_key, prepare
 from passes.fx.insert_casts import annotate, insert_casts
 from passes.fx.pipeline import FxAmpResult, amp_passes, run_amp_passes
@@ -28,8 +34,10 @@ __all__ = [
     "fold_casts",
     "insert_casts",
     "is_amp_cast",
+    "merge_duplicate_ops",
     "op_key",
     "prepare",
     "run_amp_passes",
+    "skip_whole_slices",
     "verify",
 ]

@@ -1,11 +1,13 @@
-"""Cast folding after cast insertion, dead ops, and the count of the casts a graph holds."""
+"""Cast folding after cast insertion, duplicate and dead ops, and the count of the casts a
+graph holds."""
 
 from __future__ import annotations
 
+import torch
 from torch import fx
 
 from passes._infra import PassResult
-from passes.fx._torch_internals import OpOverload
+from passes.fx._torch_internals import OpOverload, op_schema
 from passes.fx.dtypes import CAST, _widening, dtype_of, is_amp_cast
 
 
@@ -69,6 +71,77 @@ def drop_dead_ops(gm: fx.GraphModule, recompile: bool = True) -> PassResult:
     if modified and recompile:
         gm.recompile()
     return PassResult(gm, modified)
+
+
+def skip_whole_slices(gm: fx.GraphModule, recompile: bool = True) -> PassResult:
+    """Let the users of a slice of a whole dimension (``x[:, :]``, ``x[..., 0:]``: start 0,
+    step 1, no end or export's ``2**63 - 1``) read its input, which it returns unchanged
+    (an exported 2-layer HF LLaMA has 12). The slices are dropped later if nothing else
+    uses them (:func:`drop_dead_ops`).
+
+    Example:
+        >>> skip_whole_slices(gm).modified
+        True
+    """
+    modified = False
+    for node in gm.graph.find_nodes(op="call_function", target=_SLICE):
+        if node.kwargs:
+            continue
+        _, _, start, end, step = (*node.args, *_SLICE_DEFAULTS[len(node.args):])
+        if start in (0, None) and step == 1 and (end is None or type(end) is int and end >= 2**62):
+            node.replace_all_uses_with(node.args[0])
+            modified = True
+    if modified and recompile:
+        gm.recompile()
+    return PassResult(gm, modified)
+
+
+_SLICE = torch.ops.aten.slice.Tensor
+_SLICE_DEFAULTS = (None, 0, None, None, 1)  # self, dim, start, end, step
+
+
+def merge_duplicate_ops(gm: fx.GraphModule, recompile: bool = True) -> PassResult:
+    """Compute each pure aten op once per distinct arguments: later copies use the first.
+    An exported HF model repeats its position ranges, masks and rotary views per layer (a
+    2-layer LLaMA 11 of its 193 ops, a T5 39 of 359), and the casts inserted later would
+    repeat with them. Random draws and ops with side effects stay (``Node.is_impure``); a
+    graph with any in-place or ``out=`` op is left as it is, since a shared result could
+    then be written through one of its uses.
+
+    Example:
+        >>> merge_duplicate_ops(gm).modified
+        True
+    """
+    graph = gm.graph
+    ops = [n for n in graph.nodes if n.op == "call_function" and isinstance(n.target, OpOverload)]
+    if any(op_schema(n.target).is_mutable for n in ops):
+        return PassResult(gm, False)
+    first: dict = {}
+    modified = False
+    for node in ops:
+        if node.is_impure():
+            continue
+        try:
+            key = (node.target, _frozen(node.args), _frozen(node.kwargs))
+            same = first.setdefault(key, node)
+        except TypeError:  # an unhashable argument: not merged
+            continue
+        if same is not node:
+            node.replace_all_uses_with(same)
+            graph.erase_node(node)
+            modified = True
+    if modified and recompile:
+        gm.recompile()
+    return PassResult(gm, modified)
+
+
+def _frozen(value: object) -> object:
+    """``value`` with its lists and dicts made tuples (nodes compare by identity)."""
+    if isinstance(value, (list, tuple)):
+        return (type(value), tuple(_frozen(v) for v in value))
+    if isinstance(value, dict):
+        return (dict, tuple((k, _frozen(v)) for k, v in value.items()))
+    return value
 
 
 def count_casts(gm: fx.GraphModule) -> int:

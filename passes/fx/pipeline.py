@@ -13,7 +13,13 @@ import torch
 from torch import fx
 
 from passes._infra import PassManager, PassResult, named
-from passes.fx.fold import count_casts, drop_dead_ops, fold_casts
+from passes.fx.fold import (
+    count_casts,
+    drop_dead_ops,
+    fold_casts,
+    merge_duplicate_ops,
+    skip_whole_slices,
+)
 from passes.fx.fusions import channels_last_inputs, fuse_norm_casts, sink_gather_casts
 from passes.fx.graph import build_dataflow, prepare
 from passes.fx.hazards import mark_range_hazards
@@ -148,10 +154,12 @@ def amp_passes(
 
     Example:
         >>> [p.__name__ for p in amp_passes(make_policy("O2"), torch.bfloat16, PipelineState())][:3]
-        ['prepare', 'build_dataflow', 'mark_range_hazards']
+        ['prepare', 'skip_whole_slices', 'merge_duplicate_ops']
     """
     passes = [
         named("prepare", prepare, recompile=False),
+        named("skip_whole_slices", skip_whole_slices, recompile=False),
+        named("merge_duplicate_ops", merge_duplicate_ops, recompile=False),
         named("build_dataflow", _build_dataflow, state),
     ]
     if low in (torch.float16, torch.bfloat16) and policy.level != "O0":

@@ -104,3 +104,69 @@ def test_ops_the_rewrite_left_unused_are_dropped_but_random_draws_stay():
     assert drop_dead_ops(gm).modified
     assert unused_draw in g.nodes, "a random draw keeps its place in the RNG stream"
     assert sum(1 for n in g.nodes if n.target == torch.ops.aten.relu.default) == 0
+
+
+class PerLayerPositions(nn.Module):
+    """Each layer builds the same position range and mask, as an exported HF model does."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.layers:
+            pos = torch.arange(x.shape[1]).unsqueeze(0).unsqueeze(-1)
+            x = layer(x) + pos.to(x.dtype) * 0.01 + torch.rand(x.shape[0], 1, 1) * 0
+        return x
+
+
+def test_duplicate_pure_ops_are_computed_once_but_random_draws_and_mutated_graphs_stay():
+    from passes.fx import merge_duplicate_ops
+    from tests.passes.fx.helpers import export
+
+    x = torch.randn(2, 5, 8)
+
+    def count(gm, name):
+        return sum(1 for n in gm.graph.nodes if name in str(n.target))
+
+    gm = export(PerLayerPositions(), (x,))
+    assert count(gm, "arange") == 3 and count(gm, "rand.") == 3
+    torch.manual_seed(0)
+    before = gm(x)
+    assert merge_duplicate_ops(gm).modified
+    assert count(gm, "arange") == 1, "one range for the three layers"
+    assert count(gm, "rand.") == 3, "each draw (same arguments) keeps its place in the RNG"
+    torch.manual_seed(0)
+    torch.testing.assert_close(gm(x), before, rtol=0, atol=0)
+    gm.graph.lint()
+
+    gm = export(PerLayerPositions(), (x,))
+    (out,) = [n for n in gm.graph.nodes if n.op == "output"]
+    with gm.graph.inserting_before(out):  # an in-place op anywhere: nothing is merged
+        gm.graph.call_function(torch.ops.aten.add_.Tensor, (out.args[0][0], 1.0))
+    assert not merge_duplicate_ops(gm).modified
+
+
+class Slices(nn.Module):
+    def forward(self, x):
+        return x[:, :] * 2 + x[..., 0:] + x[:, 1:].sum() + x[:, ::2].sum()
+
+
+def test_whole_slices_are_skipped_and_others_kept():
+    from torch.export import Dim
+
+    from passes.fx import drop_dead_ops, skip_whole_slices
+
+    x = torch.randn(3, 4)  # dynamic sizes, as ampgraph exports: whole slices stay in the graph
+    gm = torch.export.export(Slices(), (x,), dynamic_shapes=({0: Dim.AUTO, 1: Dim.AUTO},),
+                             strict=False).module()
+
+    def slices():
+        return [tuple(n.args[2:]) for n in gm.graph.nodes
+                if n.target == torch.ops.aten.slice.Tensor]
+
+    assert len(slices()) >= 4
+    assert skip_whole_slices(gm).modified
+    drop_dead_ops(gm)
+    assert sorted(slices()) == [(0, 9223372036854775807, 2), (1, 9223372036854775807)]
+    torch.testing.assert_close(gm(x), Slices()(x))

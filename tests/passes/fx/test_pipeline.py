@@ -51,7 +51,8 @@ def test_run_amp_passes_leaves_the_collector_on():
 
 
 EXPECTED_PASSES = [
-    "prepare", "build_dataflow", "mark_range_hazards", "mark_index_values", "paint",
+    "prepare", "skip_whole_slices", "merge_duplicate_ops", "build_dataflow",
+    "mark_range_hazards", "mark_index_values", "paint",
     "annotate", "insert_casts",
     "fold_casts", "fuse_norm_casts", "channels_last_inputs", "sink_gather_casts",
     "drop_dead_ops", "contiguous_linear_inputs", "verify",
@@ -71,8 +72,10 @@ def test_the_pipeline_is_a_list_of_named_passes():
     plain = pipeline.amp_passes(make_policy("O0"), torch.bfloat16, pipeline.PipelineState(),
                                 fuse_norms=False, linear=fn)
     assert [p.__name__ for p in plain] == [
-        "prepare", "build_dataflow", "paint", "annotate", "insert_casts", "fold_casts",
-        "drop_dead_ops", "contiguous_linear_inputs", "verify", "count_casts", "recompile"]
+        "prepare", "skip_whole_slices", "merge_duplicate_ops", "build_dataflow", "paint",
+        "annotate",
+        "insert_casts", "fold_casts", "drop_dead_ops", "contiguous_linear_inputs", "verify",
+        "count_casts", "recompile"]
 
 
 def failing_route(gm, fn, low):
