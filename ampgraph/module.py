@@ -13,9 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import inspect
 import threading
-import types
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -38,12 +36,14 @@ from ampgraph.runtime.attention import amp_attention
 from ampgraph.runtime.dropout import amp_dropout
 from ampgraph.runtime.outputs import OutputBuffers
 from ampgraph.runtime.weights import WeightCache
+from ampgraph.signature import SignedForward, signed_forward
 from passes.fx import run_amp_passes
 from passes.fx.dtypes import dtype_of
 from passes.fx.graph import module_info, op_key
 from passes.policy import FP32, LOW, NA
 
 MAX_GRAPHS_PER_SIGNATURE = 8
+MAX_REFUSED_SHAPES = 1024  # input shapes export refused, remembered so as not to retry
 
 # Methods of the wrapped model that call ``self(...)`` (HuggingFace ``generate``): run on
 # a stand-in of the model whose forward is the compiled one, see :func:`_call_routed`.
@@ -65,42 +65,6 @@ def _autocast_off() -> contextlib.ExitStack:
         if torch.is_autocast_enabled(device):
             stack.enter_context(torch.autocast(device, enabled=False))
     return stack
-
-
-class _SignedForward:
-    """``AmpModule.forward``, bound per instance to a function with the model's signature.
-
-    ``inspect.signature(net.forward)`` then equals ``inspect.signature(model.forward)``:
-    HuggingFace's Trainer drops the dataset columns forward does not name, Accelerate
-    rewraps ``forward.__func__``. A non-data descriptor, so assigning ``net.forward``
-    (Accelerate's autocast wrapper) still shadows it per instance.
-    """
-
-    def __init__(self, fn: Any) -> None:
-        self._fn = fn
-        functools.update_wrapper(self, fn)
-
-    def __get__(self, obj: Any, cls: type | None = None) -> Any:
-        if obj is None:
-            return self._fn
-        return types.MethodType(obj.__dict__.get("_amp_forward") or self._fn, obj)
-
-
-def _signed_forward(model: nn.Module) -> Any:
-    """A function ``(self, *args, **kwargs)`` running AmpModule's forward, whose
-    ``__signature__`` is ``self`` + ``model.forward``'s parameters; None if it has none."""
-    try:
-        sig = inspect.signature(model.forward)
-    except (TypeError, ValueError):
-        return None
-
-    def forward(self: AmpModule, *args: Any, **kwargs: Any) -> Any:
-        return AmpModule._run(self, *args, **kwargs)
-
-    first = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    forward.__signature__ = sig.replace(parameters=[first, *sig.parameters.values()])
-    forward.__doc__ = getattr(type(model).forward, "__doc__", None)
-    return forward
 
 
 @dataclass
@@ -136,8 +100,8 @@ class AmpModule(nn.Module):
             _amp_model=model, amp_config=config, amp_dtype=low, _amp_path=path,
             _amp_graphs=OrderedDict(), _amp_lock=threading.RLock(), _amp_eager=None,
             _amp_eager_reason=None, _amp_last=None, _amp_weights=WeightCache(),
-            _amp_outputs=OutputBuffers(), _amp_transforms=[],
-            _amp_forward=_signed_forward(model),
+            _amp_outputs=OutputBuffers(), _amp_transforms=[], _amp_refused=set(),
+            _amp_forward=signed_forward(model, AmpModule._run),
         )
         self._amp_policy = config.policy(low)
 
@@ -226,6 +190,8 @@ class AmpModule(nn.Module):
             for graphs in self._amp_graphs.values():
                 for compiled in graphs:
                     transform(compiled.captured.gm)
+                    if self.amp_config.backend is None:  # it may have added submodules
+                        shortcut_attribute_paths(compiled.captured.gm)
 
     # -- execution ------------------------------------------------------------------------
 
@@ -234,12 +200,13 @@ class AmpModule(nn.Module):
             with _autocast_off():
                 return self._run(*args, **kwargs)
         compiled = self._compiled_for(args, kwargs)
-        if compiled is None:
-            return self._amp_eager(*args, **kwargs)
+        if compiled is None:  # eager for good, or for these input shapes (_compiled_for)
+            eager = self._amp_eager
+            return (eager if eager is not None else self._amp_model)(*args, **kwargs)
         flat = compiled.runner(tuple(args), dict(kwargs))
         return compiled.captured.rebuild(flat, args, kwargs)
 
-    forward = _SignedForward(_run)
+    forward = SignedForward(_run)
 
     def _compiled_for(self, args: tuple, kwargs: dict) -> Compiled | None:
         with self._amp_lock:
@@ -256,27 +223,39 @@ class AmpModule(nn.Module):
                 if compiled.captured.accepts_leaves(leaves):
                     self.__dict__["_amp_last"] = compiled
                     return compiled
-            compiled = self._capture(args, kwargs)
+            # other shapes of this structure captured: these ones alone run eagerly if
+            # export refuses them (e.g. sizes the model itself rejects), not every call
+            shapes = (key, tuple(t.shape for t in leaves if isinstance(t, torch.Tensor)))
+            if shapes in self._amp_refused:
+                return None
+            compiled = self._capture(args, kwargs, first=not graphs)
             if compiled is None:
+                if graphs and len(self._amp_refused) < MAX_REFUSED_SHAPES:
+                    self._amp_refused.add(shapes)
                 return None
             graphs.insert(0, compiled)
             del graphs[MAX_GRAPHS_PER_SIGNATURE:]
             self.__dict__["_amp_last"] = compiled
             return compiled
 
-    def _capture(self, args: tuple, kwargs: dict) -> Compiled | None:
+    def _capture(self, args: tuple, kwargs: dict, first: bool = True) -> Compiled | None:
         # export and the passes both trace or re-run the model's ops; neither may leave
         # grad mode, autocast, inference mode, the default dtype or the RNG changed
         with preserved_global_state():
-            return self._capture_unguarded(args, kwargs)
+            return self._capture_unguarded(args, kwargs, first)
 
-    def _capture_unguarded(self, args: tuple, kwargs: dict) -> Compiled | None:
+    def _capture_unguarded(self, args: tuple, kwargs: dict, first: bool) -> Compiled | None:
         model = self._amp_model
         model.train(self.training)
         try:
             captured = export_module(model, args, kwargs)
         except Exception as exc:  # untraceable code: compile the children on their own
-            self._go_eager(f"torch.export failed: {_first_line(exc)}")
+            if first:
+                self._go_eager(f"torch.export failed: {_first_line(exc)}")
+            else:
+                warnings.warn(f"ampgraph: {self._amp_path or type(model).__name__} could not be "
+                              f"captured for these input shapes ({_first_line(exc)}); calls "
+                              "with them run eagerly in fp32", UserWarning, stacklevel=5)
             return None
         backend, cache = self.amp_config.backend, self._amp_weights
         routes = dict(weight_cast=cache.cast, linear=cache.amp_linear, dropout=amp_dropout,

@@ -159,7 +159,8 @@ def amp_passes(
     passes = [
         named("prepare", prepare, recompile=False),
         named("skip_whole_slices", skip_whole_slices, recompile=False),
-        named("merge_duplicate_ops", merge_duplicate_ops, recompile=False),
+        named("merge_duplicate_ops", merge_duplicate_ops, by_module=bool(policy.overrides.modules),
+              recompile=False),
         named("build_dataflow", _build_dataflow, state),
     ]
     if low in (torch.float16, torch.bfloat16) and policy.level != "O0":

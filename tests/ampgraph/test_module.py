@@ -191,3 +191,45 @@ def test_the_graph_reads_submodules_as_plain_attributes_and_setattr_still_wins()
     assert "0" not in gm.__dict__
     with torch.no_grad():
         torch.testing.assert_close(gm((x,), {})[0], torch.relu(inner(x)), rtol=2e-2, atol=2e-2)
+
+
+class Pairs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x).view(x.shape[0] // 2, 2, 4)  # an odd batch fails, eager too
+
+
+def test_shapes_export_refuses_run_eagerly_alone_and_the_module_stays_compiled(monkeypatch):
+    import ampgraph.module as module
+
+    exports = []
+    real = module.export_module
+    monkeypatch.setattr(module, "export_module", lambda *a: exports.append(1) or real(*a))
+    net = ampgraph.compile(Pairs(), amp_level="O2")
+    net(torch.randn(4, 4))
+    with pytest.warns(UserWarning, match="these input shapes"), \
+            pytest.raises(RuntimeError, match="invalid for input of size"):
+        net(torch.randn(3, 4))  # the model's own error, as eager
+    with pytest.raises(RuntimeError, match="invalid for input of size"):
+        net(torch.randn(3, 4))
+    assert len(exports) == 2, "the refused shapes are remembered, not exported again"
+    assert net._amp_eager is None
+    assert net(torch.randn(6, 4)).shape == (3, 2, 4) and len(exports) == 2
+
+
+def test_a_graph_transform_that_adds_submodules_refreshes_the_attribute_shortcuts():
+    torch.manual_seed(0)
+    net = ampgraph.compile(nn.Sequential(nn.Sequential(nn.Linear(4, 4)), nn.ReLU()),
+                           amp_level="O2")
+    x = torch.randn(2, 4)
+    net(x)
+    zero = nn.Linear(4, 4)
+    with torch.no_grad():
+        zero.weight.zero_()
+        zero.bias.fill_(1.0)
+    net.add_graph_transform(lambda gm: gm.add_submodule("0.0", zero))
+    with torch.no_grad():
+        torch.testing.assert_close(net(x), torch.ones(2, 4))

@@ -170,3 +170,60 @@ def test_whole_slices_are_skipped_and_others_kept():
     drop_dead_ops(gm)
     assert sorted(slices()) == [(0, 9223372036854775807, 2), (1, 9223372036854775807)]
     torch.testing.assert_close(gm(x), Slices()(x))
+
+
+class Lookalikes(nn.Module):
+    """Ops equal under Python's ``==`` but not as ops, and per-layer states it returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, ids, x):
+        h = self.a(x) * 2.0 + self.b(x) * 2  # the same "2", one float and one int
+        states = [torch.zeros(2, 4) for _ in range(3)]
+        return ids * 2.0, ids * 2, h, states, x.sum(-1), x.sum(-1)
+
+
+def test_merging_keeps_scalar_types_and_never_shares_returned_values():
+    from passes.fx import merge_duplicate_ops
+
+    ids, x = torch.arange(6).view(2, 3), torch.randn(2, 4)
+    gm = torch.export.export(Lookalikes(), (ids, x), strict=False).module()
+    merge_duplicate_ops(gm)
+    f, i, _, states, s1, s2 = gm(ids, x)
+    assert f.dtype == torch.float32 and i.dtype == torch.int64
+    assert len({id(t) for t in states}) == 3 and s1 is not s2
+    states[0].add_(1)
+    assert states[1].sum() == 0, "an output written in place leaves the others alone"
+
+
+class Gram(nn.Module):
+    def forward(self, h):
+        return h @ h.T
+
+
+class TwoModules(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.precise, self.fast, self.fc = Gram(), Gram(), nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return self.precise(h) + self.fast(h)
+
+
+def test_with_module_overrides_ops_of_different_modules_are_not_merged():
+    """A module override decides per module: merging would paint one module's op as the
+    other's. With overrides (``by_module``) equal ops merge only within a module."""
+    from passes.fx import merge_duplicate_ops
+
+    model, x = TwoModules(), torch.randn(3, 4)
+
+    def matmuls(by_module):
+        gm = torch.export.export(model, (x,), strict=False).module()
+        merge_duplicate_ops(gm, by_module=by_module)
+        return sum(1 for n in gm.graph.nodes if n.target == torch.ops.aten.matmul.default)
+
+    assert matmuls(by_module=False) == 1
+    assert matmuls(by_module=True) == 2
