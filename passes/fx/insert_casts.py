@@ -23,7 +23,7 @@ import torch
 from torch import fx
 
 from passes._infra import PassError, PassResult
-from passes.fx._torch_internals import input_nodes, relink, tree_map
+from passes.fx._torch_internals import OpOverload, input_nodes, op_schema, relink, tree_map
 from passes.fx.cast_factory import _Caster
 from passes.fx.dtypes import _float_dtypes, _orig_dtype, dtype_of
 from passes.fx.graph import FLOATS
@@ -130,10 +130,48 @@ def insert_casts(
                 changed = True
         if changed or meta.get("amp_precision") == LOW:
             tracker.propagate(node, first, swap)
+    caster.count += _recast_after_writes(graph)
     if recompile:
         gm.recompile()
     gm.meta["amp_casts"] = gm.meta.get("amp_casts", 0) + caster.count
     return PassResult(gm, caster.count > 0)
+
+
+def _recast_after_writes(graph: fx.Graph) -> int:
+    """A cast sits right after its source's producer and reads the value there. A later
+    in-place write to the source or to a view of it (``h[:, :].relu_()``, which export
+    keeps in place) must reach the readers after it, as in eager: each such reader gets a
+    cast of its own, placed just before it. Returns how many were added."""
+    nodes = list(graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    writes: dict[fx.Node, list[int]] = {}  # base tensor -> positions of writes into it
+    for node in nodes:
+        if node.op == "call_function" and isinstance(node.target, OpOverload) \
+                and op_schema(node.target).is_mutable:
+            for arg, spec in zip(node.args, op_schema(node.target).arguments):
+                if isinstance(arg, fx.Node) and spec.alias_info is not None \
+                        and spec.alias_info.is_write:
+                    writes.setdefault(_base(arg), []).append(position[node])
+    added = 0
+    for cast in (n for n in nodes if writes and n.meta.get("amp_cast")):
+        marks = writes.get(_base(cast.args[0])) if isinstance(cast.args[0], fx.Node) else None
+        for user in list(cast.users) if marks else ():
+            if any(position[cast] < m < position.get(user, len(nodes)) for m in marks):
+                with graph.inserting_before(user):
+                    fresh = graph.call_function(cast.target, cast.args, dict(cast.kwargs))
+                fresh.meta.update(cast.meta)
+                user.replace_input_with(cast, fresh)
+                added += 1
+    return added
+
+
+def _base(node: fx.Node) -> fx.Node:
+    """The tensor ``node`` is a view of (through chains of views), or ``node`` itself."""
+    while (node.op == "call_function" and isinstance(node.target, OpOverload) and node.args
+           and isinstance(node.args[0], fx.Node)
+           and any(r.alias_info is not None for r in op_schema(node.target).returns)):
+        node = node.args[0]
+    return node
 
 
 def _rewire(node: fx.Node, replace: Mapping) -> None:

@@ -233,3 +233,28 @@ def test_a_graph_transform_that_adds_submodules_refreshes_the_attribute_shortcut
     net.add_graph_transform(lambda gm: gm.add_submodule("0.0", zero))
     with torch.no_grad():
         torch.testing.assert_close(net(x), torch.ones(2, 4))
+
+
+class WritesAView(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.fc2 = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        h[:, :].relu_()  # export keeps an in-place write through a view in place
+        return self.fc2(h), h
+
+
+def test_a_cast_read_after_an_in_place_write_sees_the_written_value():
+    """The output cast of ``h`` sat right after ``h``'s producer, before the write: the
+    returned ``h`` kept its negative values (found by review; older than this check)."""
+    torch.manual_seed(0)
+    model = WritesAView()
+    net = ampgraph.compile(model, amp_level="O2")
+    x = torch.randn(8, 4)
+    with torch.no_grad():
+        (y, h), (ry, rh) = net(x), model(x)
+    assert h.min() >= 0
+    torch.testing.assert_close(h, rh, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(y, ry, rtol=2e-2, atol=2e-2)
