@@ -278,18 +278,16 @@ class WeightCache:
         """``aten.linear(x, w.to(x.dtype), b)`` for an fp32 master weight ``w`` (see
         :class:`_Linear`; ``shared``: other nodes use ``w`` too); without gradients, the
         inference working copy is used, packed for oneDNN where it runs the dtype."""
-        if torch.is_grad_enabled() and w.requires_grad:
-            if not _small(x, w):
-                return _Linear.apply(x, w, b, self, shared)
-            self.drop_inference_copies(w)  # stale after the update anyway
-            b = b.to(x.dtype) if b is not None else None
-            return torch.ops.aten.linear.default(x, w.to(x.dtype), b)
+        training = torch.is_grad_enabled() and w.requires_grad
+        if training and not _small(x, w):
+            return _Linear.apply(x, w, b, self, shared)
+        # below: inference, or a small weight training as autocast's (cast's fresh copies)
         b = self.cast(b, x.dtype) if b is not None else None
         # one inference copy a weight for its linears (a frozen one, as under LoRA, is
         # linear'd with and without input gradients): the packed copy in oneDNN's layout
         # (see packed.py) where it can serve, which replaces the plain one when it is made
         packed_tag = ("infer", x.dtype, "packed")
-        if packed.usable(x, w, b):
+        if not training and packed.usable(x, w, b):
             def pack(d: torch.Tensor) -> torch.Tensor:
                 self._drop(w, ("infer", x.dtype, None))
                 return packed.pack(d.to(x.dtype), x.numel() // max(1, x.shape[-1]))

@@ -9,6 +9,7 @@ from torch import fx
 from passes._infra import PassResult
 from passes.fx._torch_internals import OpOverload, op_schema
 from passes.fx.dtypes import CAST, _widening, dtype_of, is_amp_cast
+from passes.fx.graph import is_view
 
 
 def fold_casts(gm: fx.GraphModule, recompile: bool = True) -> PassResult:
@@ -155,8 +156,7 @@ def _returned(graph: fx.Graph) -> set[fx.Node]:
         if node in out:
             continue
         out.add(node)
-        if node.op == "call_function" and isinstance(node.target, OpOverload) and any(
-                r.alias_info is not None for r in op_schema(node.target).returns):
+        if is_view(node):
             todo.extend(node.all_input_nodes)
     return out
 

@@ -318,7 +318,7 @@ def _functional_variant(node: fx.Node) -> Any:
     src = node.args[0]
     if src.op != "call_function" or not isinstance(src.target, OpOverload):
         return None
-    if any(r.alias_info is not None for r in op_schema(src.target).returns):
+    if is_view(src):
         return None  # the operand is a view of something else: keep the mutation
     name = op_schema(t).name.split("::")[1]
     if not name.endswith("_"):
@@ -334,3 +334,11 @@ def fetch_attr(gm: fx.GraphModule, target: str) -> Any:
     for part in target.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def is_view(node: fx.Node) -> bool:
+    """Whether ``node`` is an aten op whose result aliases its first input (a view, or an
+    in-place op's return), so writes through either reach the other."""
+    return (node.op == "call_function" and isinstance(node.target, OpOverload)
+            and bool(node.args) and isinstance(node.args[0], fx.Node)
+            and any(r.alias_info is not None for r in op_schema(node.target).returns))

@@ -23,12 +23,12 @@ import torch
 from torch import fx
 
 from passes._infra import PassError, PassResult
-from passes.fx._torch_internals import OpOverload, input_nodes, op_schema, relink, tree_map
+from passes.fx._torch_internals import input_nodes, relink, tree_map
 from passes.fx.cast_factory import _Caster
 from passes.fx.dtypes import _float_dtypes, _orig_dtype, dtype_of
-from passes.fx.graph import FLOATS
+from passes.fx.graph import FLOATS, is_view
 from passes.fx.propagate import _UNKNOWN, _detect_fake_mode, _DtypeTracker
-from passes.fx.rules import KEEP, _Rules, _slots
+from passes.fx.rules import KEEP, _Rules, _slots, mutated_slots
 from passes.paint import Decision
 from passes.policy import LOW
 
@@ -146,12 +146,10 @@ def _recast_after_writes(graph: fx.Graph) -> int:
     position = {n: i for i, n in enumerate(nodes)}
     writes: dict[fx.Node, list[int]] = {}  # base tensor -> positions of writes into it
     for node in nodes:
-        if node.op == "call_function" and isinstance(node.target, OpOverload) \
-                and op_schema(node.target).is_mutable:
-            for arg, spec in zip(node.args, op_schema(node.target).arguments):
-                if isinstance(arg, fx.Node) and spec.alias_info is not None \
-                        and spec.alias_info.is_write:
-                    writes.setdefault(_base(arg), []).append(position[node])
+        for slot in mutated_slots(node):
+            arg = node.args[slot] if slot < len(node.args) else None
+            if isinstance(arg, fx.Node):
+                writes.setdefault(_base(arg), []).append(position[node])
     added = 0
     for cast in (n for n in nodes if writes and n.meta.get("amp_cast")):
         marks = writes.get(_base(cast.args[0])) if isinstance(cast.args[0], fx.Node) else None
@@ -167,9 +165,7 @@ def _recast_after_writes(graph: fx.Graph) -> int:
 
 def _base(node: fx.Node) -> fx.Node:
     """The tensor ``node`` is a view of (through chains of views), or ``node`` itself."""
-    while (node.op == "call_function" and isinstance(node.target, OpOverload) and node.args
-           and isinstance(node.args[0], fx.Node)
-           and any(r.alias_info is not None for r in op_schema(node.target).returns)):
+    while is_view(node):
         node = node.args[0]
     return node
 
