@@ -24,6 +24,7 @@ from torch import fx, nn
 
 from ampgraph.capture import (
     Captured,
+    direct_runner,
     export_module,
     flatten_inputs,
     preserved_global_state,
@@ -192,6 +193,7 @@ class AmpModule(nn.Module):
                     transform(compiled.captured.gm)
                     if self.amp_config.backend is None:  # it may have added submodules
                         shortcut_attribute_paths(compiled.captured.gm)
+                        compiled.runner = direct_runner(compiled.captured.gm)
 
     # -- execution ------------------------------------------------------------------------
 
@@ -275,9 +277,9 @@ class AmpModule(nn.Module):
                 "compiling it changes nothing", UserWarning, stacklevel=4)
         for transform in self._amp_transforms:
             transform(captured.gm)
-        runner = captured.gm
         if backend is None:
             shortcut_attribute_paths(captured.gm)
+            runner = direct_runner(captured.gm)
         else:  # hand the rewritten aten graph to torch.compile
             runner = torch.compile(captured.gm, backend=backend, dynamic=True)
         return Compiled(captured, result.decisions, result.casts, runner)

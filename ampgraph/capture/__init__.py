@@ -6,11 +6,14 @@ The ``no_grad`` regions export records are inlined right after export
 - ``export``: the exported root taking ``(args, kwargs)``, ``export_module``, ``Captured``;
 - ``structure``: flattening outputs (and inputs) of any structure, rebuilding them;
 - ``hf_caches``: HuggingFace cache objects as pytree nodes;
-- ``state``: ``preserved_global_state``, around every export attempt.
+- ``state``: ``preserved_global_state``, around every export attempt;
+- ``codegen``: the Python that runs a graph once the passes are done (``direct_runner``,
+  ``shortcut_attribute_paths``).
 """
 
 from __future__ import annotations
 
+from ampgraph.capture.codegen import direct_runner, shortcut_attribute_paths
 from ampgraph.capture.export import (
     Captured,
     ExportRoot,
@@ -19,7 +22,6 @@ from ampgraph.capture.export import (
     flatten_inputs,
     quiet_export_logs,
     share_state,
-    shortcut_attribute_paths,
     signature,
     signature_of,
 )
@@ -30,6 +32,7 @@ from ampgraph.capture.structure import flatten_output, unflatten_output
 __all__ = [
     "Captured",
     "ExportRoot",
+    "direct_runner",
     "dynamic_spec",
     "export_module",
     "flatten_inputs",

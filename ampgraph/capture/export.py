@@ -230,25 +230,6 @@ def export_module(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
     return Captured(gm, out_spec, dims, writeback, guards)
 
 
-def shortcut_attribute_paths(gm: fx.GraphModule) -> None:
-    """Put each submodule on a parameter's or buffer's path into its parent's instance
-    dict, so the generated ``getattr(self.model.layers, "0").self_attn.q_proj.weight``
-    reads plain attributes instead of calling ``nn.Module.__getattr__`` at every step
-    (3.4 us a read on a 2-layer HF LLaMA, 26 reads a call). ``nn.Module.__setattr__``
-    replaces such an entry with the module it registers; ``add_module`` does not: call
-    this again after changing submodules that way (``AmpModule.add_graph_transform``
-    does). Parameters and buffers are still read through ``__getattr__`` (a buffer can be
-    reassigned in place of its entry)."""
-    for node in gm.graph.find_nodes(op="get_attr"):
-        owner = gm
-        for name in node.target.split(".")[:-1]:
-            child = owner._modules.get(name)
-            if child is None:
-                break
-            owner.__dict__[name] = child
-            owner = child
-
-
 def _hoist_guards(gm: fx.GraphModule, leaves: list[Any]) -> nn.Module | None:
     """Take the call of export's guard function (asserts on the input sizes: ranges,
     equalities, divisibility) out of the graph, with the unlifted module's hooks around
