@@ -9,7 +9,8 @@ consumer. Each vertex has attributes:
 - ``op``: the policy key (``aten.linear``, ``MatMul``);
 - ``module``: the module path the node came from ("" when unknown);
 - ``module_classes``: qualified class names of the modules it sits in;
-- ``forced`` (optional): ``(precision, reason)`` a dialect imposes (range hazards).
+- ``forced`` (optional): ``(precision, reason)`` a dialect imposes (range hazards);
+- ``returned`` (optional): the graph returns the vertex's value.
 
 :func:`paint` returns an :class:`Assignment`: vertex -> :class:`Decision` with the
 precision (``LOW``, ``FP32`` or ``NA``) and the rule that decided it. It never looks
@@ -25,6 +26,10 @@ Rules (TensorFlow grappler's auto_mixed_precision, per level table in policy.py)
 4. O1 spread: CLEAR ops next to low ops and INFER ops fed only by low ops become low.
 5. O2 follow: a CLEAR op fed only by fp32 ops stays fp32 (the cast moves to the first
    low consumer); otherwise low.
+6. O2 between: INFER ops (with the CLEAR ops among them) whose producers and consumers
+   are all fp32 ops stay fp32: low precision would add a cast on each side and round
+   (RMSNorm's ``variance + eps`` between ``mean`` and ``rsqrt``). Not for a value the
+   graph returns (``returned``: its dtype is the graph's output).
 """
 
 from __future__ import annotations
@@ -90,6 +95,7 @@ def paint(graph: nx.DiGraph, policy: LevelPolicy) -> Assignment:
     modules: dict = {}  # (module, classes) -> module override: one match per module
     has_module_rules = bool(policy.overrides.modules)
     o0 = policy.level == "O0"
+    between: set | None = set() if policy.level == "O2" else None  # for rule 6
     for v, data in graph.nodes(data=True):
         kind = data.get("kind", COMPUTE)
         if kind == SOURCE:
@@ -124,14 +130,18 @@ def paint(graph: nx.DiGraph, policy: LevelPolicy) -> Assignment:
                 continue
         if fixed is not None:
             out[v] = fixed
+            if between is not None and info.cls == INFER:
+                between.add(v)
         else:
             pending[v] = base
-    if pending:
+    if pending or between:
         compute = _Adjacency(graph, cls)
         paint_only = {v for v, how in pending.items() if how == "paint"}
         follow_only = {v for v, how in pending.items() if how == "follow"}
         if paint_only:
             _paint_o1(compute, cls, paint_only, out)
+        if between:
+            _between(compute, between, follow_only, out)
         if follow_only:
             _follow(compute, follow_only, out)
     return out
@@ -290,6 +300,33 @@ def _paint_o1(graph: _Adjacency, cls: dict, todo: set, out: Assignment) -> None:
     for v in free:
         why = "inputs are fp32" if cls[v] == INFER else "no low-precision neighbour"
         out[v] = decide(FP32, f"O1 {cls[v]} op: {why}", cls[v])
+
+
+def _between(graph: _Adjacency, infer: set, clear: set, out: Assignment) -> None:
+    """Rule 6: the O2 INFER ops in ``infer`` (decided low) that, with the undecided CLEAR
+    ops in ``clear``, form regions whose producers and consumers are all fp32 ops become
+    fp32 (their CLEAR ops then follow them, rule 5). The largest such set: members are
+    dropped until every one has a producer and a consumer and all of them are fp32 ops or
+    members, and none is returned."""
+    region = infer | clear
+
+    def fp32(u: Hashable) -> bool:
+        return u in members if u in region else out[u].precision == FP32
+
+    members = set(region)
+    while True:
+        keep = {v for v in members
+                if (preds := graph.predecessors(v)) and all(map(fp32, preds))
+                and (succs := graph.successors(v)) and all(map(fp32, succs))
+                and not graph.graph.nodes[v].get("returned")}
+        if keep == members:
+            break
+        members = keep
+    decide = _Decisions()
+    for v in graph.topological_order(members & infer):
+        src, dst = graph.predecessors(v)[0], graph.successors(v)[0]
+        out[v] = decide(FP32, f"O2 infer op between fp32 ops ({src} -> {dst}): low precision "
+                              "would add a cast each side", INFER)
 
 
 def _follow(graph: _Adjacency, todo: set, out: Assignment) -> None:

@@ -210,7 +210,8 @@ FX_TABLE = OpTable(FX_GROUPS)
 
 
 # What each level does with each class. "paint" means the grappler painting rules decide;
-# "follow" means the node takes the precision of its compute neighbours.
+# "follow" means the node takes the precision of its compute neighbours. (O2's INFER ops
+# between fp32 ops stay fp32: passes/paint.py, rule 6.)
 LEVEL_TABLE: dict[str, dict[str, str]] = {
     "O0": {ALLOW: FP32, INFER: FP32, DENY: FP32, CLEAR: FP32},
     "O1": {ALLOW: LOW, INFER: "paint", DENY: FP32, CLEAR: "paint"},

@@ -39,7 +39,7 @@ import torch
 
 from ampgraph.runtime.dropout import keep_mask, scaled
 
-aten = torch.ops.aten
+_sdpa = torch.nn.functional.scaled_dot_product_attention  # its generated binding (C)
 
 
 def amp_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -60,8 +60,8 @@ def amp_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
                                             or v.requires_grad)
     if not unfused_pays(q, k, v, attn_mask, dropout_p, enable_gqa, training):
-        return aten.scaled_dot_product_attention.default(
-            q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+        return _sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale=scale,
+                     enable_gqa=enable_gqa)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     return torch.ops.ampgraph.attention(q, k, v, attn_mask, is_causal, scale,
                                         float(dropout_p))[0]
@@ -75,15 +75,15 @@ def unfused_pays(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     (aten would run its fp32 math path) or, when training, rows short enough that the
     unfused kernels are faster and their kept probabilities small (:func:`_short`); and
     enough scores for that to pay at all (:func:`_many_scores`)."""
-    if not (0 <= dropout_p < 1) or not (dropout_p or training):
+    if not (0 <= dropout_p < 1) or not (dropout_p or training) \
+            or not q.dtype == k.dtype == v.dtype == torch.bfloat16 or q.dim() < 3 \
+            or not _many_scores(q, k, dropout_p):  # the usual rejections first: cheap
         return False
     tensors = (q, k, v) if attn_mask is None else (q, k, v, attn_mask)
     return (all(t.device.type == "cpu" and t.layout == torch.strided for t in tensors)
-            and q.dtype == k.dtype == v.dtype == torch.bfloat16
-            and not enable_gqa and q.dim() >= 3
+            and not enable_gqa
             and q.shape[:-2] == k.shape[:-2] == v.shape[:-2]
             and 0 < k.shape[-2] and (dropout_p > 0 or _short(k.shape[-2], v.shape[-1]))
-            and _many_scores(q, k, dropout_p)
             and (attn_mask is None or (
                 attn_mask.dtype in (torch.bool, q.dtype) and not attn_mask.requires_grad
                 and _fits(attn_mask.shape, (*q.shape[:-1], k.shape[-2])))))

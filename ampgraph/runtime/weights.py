@@ -105,7 +105,7 @@ class _Linear(torch.autograd.Function):
         wl = cache.working_copy(w, x.dtype)
         ctx.wl_owned = wl.data_ptr() != w.data_ptr()
         ctx.save_for_backward(x, wl)
-        return torch.ops.aten.linear.default(x, wl, bl)
+        return _linear(x, wl, bl)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
@@ -151,7 +151,7 @@ class _Embedding(torch.autograd.Function):
         ctx.save_for_backward(ids)
         ctx.w_ref = cache.keep_grad(w, shared)
         ctx.padding_idx, ctx.cache, ctx.rows = padding_idx, cache, w.shape[0]
-        return torch.ops.aten.embedding.default(w, ids, padding_idx)
+        return torch.embedding(w, ids, padding_idx)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
@@ -166,6 +166,9 @@ class _Embedding(torch.autograd.Function):
         if ctx.padding_idx >= 0:  # the padding row gets no gradient
             rows = rows.masked_fill((flat == ctx.padding_idx).unsqueeze(1), 0)
         return out.zero_().index_add_(0, flat, rows.to(out.dtype)), None, None, None, None
+
+
+_linear = torch.nn.functional.linear  # aten.linear's generated binding: no OpOverload frame
 
 
 def _dead(wl: torch.Tensor, owned: bool) -> bool:
@@ -281,19 +284,21 @@ class WeightCache:
         training = torch.is_grad_enabled() and w.requires_grad
         if training and not _small(x, w):
             return _Linear.apply(x, w, b, self, shared)
-        # below: inference, or a small weight training as autocast's (cast's fresh copies)
         b = self.cast(b, x.dtype) if b is not None else None
+        if training:  # a small weight trains as autocast's: a fresh copy (cast also drops
+            # the inference copies, packed or not), aten's linear and its backward
+            return _linear(x, self.cast(w, x.dtype), b)
         # one inference copy a weight for its linears (a frozen one, as under LoRA, is
         # linear'd with and without input gradients): the packed copy in oneDNN's layout
         # (see packed.py) where it can serve, which replaces the plain one when it is made
         packed_tag = ("infer", x.dtype, "packed")
-        if not training and packed.usable(x, w, b):
+        if packed.usable(x, w, b):
             def pack(d: torch.Tensor) -> torch.Tensor:
                 self._drop(w, ("infer", x.dtype, None))
                 return packed.pack(d.to(x.dtype), x.numel() // max(1, x.shape[-1]))
             return packed.linear(x, self._inference_copy(w, packed_tag, pack), b)
         self._drop(w, packed_tag)
-        return torch.ops.aten.linear.default(x, self.cast(w, x.dtype), b)
+        return _linear(x, self.cast(w, x.dtype), b)
 
     def amp_embedding(self, w: torch.Tensor, ids: torch.Tensor, padding_idx: int = -1,
                       shared: bool = False) -> torch.Tensor:
@@ -302,7 +307,7 @@ class WeightCache:
         kept is aten's, whose backward needs no Python."""
         if torch.is_grad_enabled() and w.requires_grad and w.numel() >= KEPT_GRAD_NUMEL:
             return _Embedding.apply(w, ids, padding_idx, self, shared)
-        return torch.ops.aten.embedding.default(w, ids, padding_idx)  # aten's own backward
+        return torch.embedding(w, ids, padding_idx)  # aten's own backward
 
     def _pooled(self, shape: tuple, dtype: torch.dtype, device: torch.device
                 ) -> torch.Tensor:
@@ -368,19 +373,28 @@ class WeightCache:
             return None
         return self.grad_buffer(w)
 
+    def _peek(self, p: torch.Tensor) -> dict | None:
+        """``p``'s entries, without making any (no lock: a read of the slots dict)."""
+        ref, per = self._slots.get(id(p), (None, None))
+        return per if ref is not None and ref() is p else None
+
     def _drop(self, p: torch.Tensor, tag: tuple) -> None:
         """Forget ``p``'s entry ``tag`` (a tensor still holding a buffer keeps it alive)."""
-        with self._lock:
-            self._per_param(p).pop(tag, None)
+        per = self._peek(p)
+        if per and tag in per:
+            with self._lock:
+                per.pop(tag, None)
 
     def drop_inference_copies(self, *params: torch.Tensor) -> None:
         """Forget the inference copies of ``params``: training changes them, so they would
-        be made again."""
-        with self._lock:
-            for p in params:
-                per = self._per_param(p)
-                for key in [k for k in per if k[0] == "infer"]:
-                    del per[key]
+        be made again. (Called for every weight a training step casts: the lock is taken
+        only where there is something to drop.)"""
+        for p in params:
+            per = self._peek(p)
+            if per and any(k[0] == "infer" for k in per):
+                with self._lock:
+                    for key in [k for k in per if k[0] == "infer"]:
+                        per.pop(key, None)
 
     def clear(self) -> None:
         with self._lock:

@@ -160,7 +160,8 @@ def _classify(node: fx.Node, floats: Any) -> tuple[str, str]:
 
 
 def build_dataflow(gm: fx.GraphModule) -> nx.DiGraph:
-    """The painter's view of ``gm``: one vertex per node, float edges between them.
+    """The painter's view of ``gm``: one vertex per node, float edges between them; the
+    vertices whose values the graph returns are marked ``returned``.
 
     The graph holds what ``add_node`` for every node in order, then ``add_edge`` for every
     (consumer, float input) in order would give; its adjacency dicts are filled directly in
@@ -178,6 +179,9 @@ def build_dataflow(gm: fx.GraphModule) -> nx.DiGraph:
     for node in gm.graph.nodes:
         op = node.op
         if op == "output":
+            for a in input_nodes(node):
+                if a.name in attrs:
+                    attrs[a.name]["returned"] = True
             continue
         meta = node.meta
         val = meta.get("val")
@@ -259,6 +263,10 @@ def _build_dataflow_unordered(gm: fx.GraphModule) -> nx.DiGraph:
         g.add_node(node.name, kind=kind, reason=reason, op=op_key(node), module=path,
                    module_classes=classes)
     for node in gm.graph.nodes:
+        if node.op == "output":
+            for a in node_inputs(node):
+                if a.name in g:
+                    g.nodes[a.name]["returned"] = True
         if node.name not in g:
             continue
         for a in node_inputs(node):

@@ -309,7 +309,8 @@ def module_key(name: str) -> str:
 
 def build_dataflow(index: ModelIndex) -> nx.DiGraph:
     """The DiGraph for ``passes.paint.paint``: node vertices (by node name), source
-    vertices ``("value", name)`` for inputs and initializers, float edges between them.
+    vertices ``("value", name)`` for inputs and initializers, float edges between them;
+    the producers of a (sub)graph's outputs are marked ``returned``.
 
     Example:
         >>> paint(build_dataflow(ModelIndex.build(model)), policy)
@@ -331,6 +332,11 @@ def build_dataflow(index: ModelIndex) -> nx.DiGraph:
             src = v.producer.name if v.producer is not None else ("value", name)
             if src != rec.name:
                 graph.add_edge(src, rec.name)
+    for scope in index.scopes:  # a (sub)graph's outputs: their dtype is part of its interface
+        for out in scope.graph.output:
+            v = index.values.get(out.name)
+            if v is not None and v.producer is not None:
+                graph.nodes[v.producer.name]["returned"] = True
     return graph
 
 

@@ -102,3 +102,38 @@ def test_reference_models_cuda(name, level, dtype):
 
 def test_low_dtypes_are_16_bit():
     assert set(LOW) == {torch.bfloat16, torch.float16}
+
+
+class RMSNormNet(torch.nn.Module):
+    """Linear -> HF-style RMSNorm (its own fp32 upcast) -> linear; optionally also returns
+    the norm's ``variance + eps``."""
+
+    def __init__(self, returns_variance: bool = False):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+        self.weight = torch.nn.Parameter(torch.ones(8))
+        self.returns_variance = returns_variance
+
+    def forward(self, x):
+        h = self.fc1(x)
+        hf = h.to(torch.float32)
+        var = hf.pow(2).mean(-1, keepdim=True) + 1e-6
+        y = self.fc2(self.weight * (hf * torch.rsqrt(var)).to(h.dtype))
+        return (y, var) if self.returns_variance else y
+
+
+def test_o2_keeps_rmsnorms_eps_add_fp32_between_mean_and_rsqrt():
+    x = torch.randn(4, 8)
+    torch.manual_seed(0)
+    net = ampgraph.compile(RMSNormNet(), amp_level="O2", dtype="bf16")
+    rows = {r["name"]: r for r in ampgraph.explain(net, x).nodes}
+    assert rows["add"]["precision"] == "fp32" and "between fp32 ops" in rows["add"]["reason"]
+    assert [rows[k]["precision"] for k in ("mean", "rsqrt", "mul", "linear_1")] == \
+        ["fp32", "fp32", "bf16", "bf16"]
+    with torch.no_grad():
+        _, rec = record(lambda: net(x))
+    assert rec.first_input_dtypes({"add"}) == {torch.float32}
+    # returned, the value keeps O2's low dtype (the graph's output dtype with keep_io_types off)
+    net = ampgraph.compile(RMSNormNet(returns_variance=True), amp_level="O2", dtype="bf16")
+    add = next(r for r in ampgraph.explain(net, x).nodes if r["name"] == "add")
+    assert add["precision"] == "bf16"

@@ -90,6 +90,34 @@ def test_nonfloat_and_module_overrides():
     assert p["argmax"] == NA and p["mm"] == FP32 and "module override" in a["0:mm"].reason
 
 
+def test_o2_infer_ops_between_fp32_ops_stay_fp32():
+    """RMSNorm: mean -> add eps -> rsqrt; a view among them goes with them."""
+    p, a = precisions(chain("mm", "mean", "add", "rsqrt", "mul", "mm"), "O2")
+    assert [p[k] for k in ("mean", "add", "rsqrt", "mul")] == [FP32, FP32, FP32, LOW]
+    assert "between fp32 ops" in a["2:add"].reason
+    p, _ = precisions(chain("mm", "mean", "view", "add", "mul", "rsqrt", "mm"), "O2")
+    assert [p[k] for k in ("view", "add", "mul")] == [FP32, FP32, FP32]
+    # O1 and O3 keep their own rules
+    assert precisions(chain("mm", "mean", "add", "rsqrt", "mm"), "O3")[0]["add"] == LOW
+
+
+def test_o2_infer_ops_with_a_low_neighbour_or_a_returned_value_stay_low():
+    g = chain("mm", "mean", "add", "rsqrt")
+    g.add_node("mm2", kind="compute", op="aten.mm")
+    g.add_edge("2:add", "mm2")  # one low consumer: the cast is needed anyway
+    assert precisions(g, "O2")[0]["add"] == LOW
+    g = chain("mm", "mean", "add", "rsqrt")
+    g.nodes["2:add"]["returned"] = True  # its dtype is the graph's output dtype
+    assert precisions(g, "O2")[0]["add"] == LOW
+    g = chain("mm", "mean", "add", "gelu", "rsqrt", "mm")
+    g.add_node("mm2", kind="compute", op="aten.mm")
+    g.add_edge("mm2", "3:gelu")  # a low producer in the middle: neither side is fp32-only
+    p, _ = precisions(g, "O2")
+    assert p["add"] == p["gelu"] == LOW
+    # fed by sources alone (no fp32 producer): low, as before
+    assert precisions(chain("add", "rsqrt"), "O2")[0]["add"] == LOW
+
+
 @pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])
 def test_every_vertex_gets_a_decision_with_a_reason(level):
     g = chain("conv2d", "batch_norm", "relu", "mean", "linear", "log_softmax", "nll_loss")

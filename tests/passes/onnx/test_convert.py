@@ -163,3 +163,21 @@ def test_batch_normalization_follows_keep_norm_fp32(level, bn):
     model = make(nodes, [vi("x", F32, [1, 2, 4, 4])], [vi("y", F32, [1, 2, 4, 4])], inits)
     result = check(model, level, feeds={"x": rand(1, 2, 4, 4, scale=1.0)})
     assert reads(result.model, "bn") == [bn] * 5 and reads(result.model, "conv")[0] == F16
+
+
+def test_o2_keeps_an_infer_op_between_fp32_ops_fp32_unless_returned():
+    def model(returned: bool):
+        nodes = [helper.make_node("MatMul", ["x", "W1"], ["a"], name="mm"),
+                 helper.make_node("Softmax", ["a"], ["s"], name="sm1", axis=-1),
+                 helper.make_node("Add", ["s", "c"], ["t"], name="add"),
+                 helper.make_node("Softmax", ["t"], ["y"], name="sm2", axis=-1)]
+        outputs = [vi("y", F32, [2, 8])] + ([vi("t", F32, [2, 8])] if returned else [])
+        return make(nodes, [vi("x", F32, [2, 8])], outputs,
+                    [init("W1", rand(8, 8)), init("c", rand(8))])
+
+    result = check(model(False), "O2", feeds=FEEDS)
+    assert [result.precision(n) for n in ("mm", "sm1", "add", "sm2")] == \
+        ["low", "fp32", "fp32", "fp32"]
+    assert "between fp32 ops" in result.assignment["add"].reason
+    assert len(casts(result.model)) == 2  # x and mm's output; none around add
+    assert check(model(True), "O2", feeds=FEEDS).precision("add") == "low"
