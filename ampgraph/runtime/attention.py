@@ -62,6 +62,8 @@ def amp_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if not unfused_pays(q, k, v, attn_mask, dropout_p, enable_gqa, training):
         return _sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale=scale,
                      enable_gqa=enable_gqa)
+    if k.shape[-3] != q.shape[-3]:  # grouped heads: the unfused kernel reads them repeated
+        k, v = _repeat_heads(k, q.shape[-3]), _repeat_heads(v, q.shape[-3])
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     return torch.ops.ampgraph.attention(q, k, v, attn_mask, is_causal, scale,
                                         float(dropout_p))[0]
@@ -70,7 +72,8 @@ def amp_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 def unfused_pays(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  attn_mask: torch.Tensor | None, dropout_p: float, enable_gqa: bool,
                  training: bool = True) -> bool:
-    """bf16 on the CPU, no grouped heads or batch broadcasting, a boolean or bf16 mask that
+    """bf16 on the CPU, no batch broadcasting (grouped heads under ``enable_gqa`` are
+    repeated for the unfused kernel, as ``repeat_kv`` did), a boolean or bf16 mask that
     needs no gradient and broadcasts to the scores, at least one key, and either dropout
     (aten would run its fp32 math path) or, when training, rows short enough that the
     unfused kernels are faster and their kept probabilities small (:func:`_short`); and
@@ -81,12 +84,26 @@ def unfused_pays(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return False
     tensors = (q, k, v) if attn_mask is None else (q, k, v, attn_mask)
     return (all(t.device.type == "cpu" and t.layout == torch.strided for t in tensors)
-            and not enable_gqa
-            and q.shape[:-2] == k.shape[:-2] == v.shape[:-2]
+            and (q.shape[:-2] == k.shape[:-2] == v.shape[:-2] or enable_gqa and _grouped(q, k, v))
             and 0 < k.shape[-2] and (dropout_p > 0 or _short(k.shape[-2], v.shape[-1]))
             and (attn_mask is None or (
                 attn_mask.dtype in (torch.bool, q.dtype) and not attn_mask.requires_grad
                 and _fits(attn_mask.shape, (*q.shape[:-1], k.shape[-2])))))
+
+
+def _grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Grouped-query heads (``enable_gqa``): the same batch dimensions, key and value
+    heads alike and dividing the query heads."""
+    return (q.dim() == k.dim() == v.dim() and q.shape[:-3] == k.shape[:-3] == v.shape[:-3]
+            and k.shape[-3] == v.shape[-3] and q.shape[-3] % max(1, k.shape[-3]) == 0)
+
+
+def _repeat_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """``x`` with each of its heads (dimension -3) repeated in place up to ``heads``: what
+    ``enable_gqa`` reads (query head ``i`` uses key head ``i // n``)."""
+    n = heads // x.shape[-3]
+    return x.unsqueeze(-3).expand(*x.shape[:-2], n, *x.shape[-2:]).reshape(
+        *x.shape[:-3], heads, *x.shape[-2:])
 
 
 def _short(keys: int, head_dim: int) -> bool:

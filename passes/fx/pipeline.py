@@ -20,7 +20,12 @@ from passes.fx.fold import (
     merge_duplicate_ops,
     skip_whole_slices,
 )
-from passes.fx.fusions import channels_last_inputs, fuse_norm_casts, sink_gather_casts
+from passes.fx.fusions import (
+    channels_last_inputs,
+    fuse_norm_casts,
+    group_kv_heads,
+    sink_gather_casts,
+)
 from passes.fx.graph import build_dataflow, prepare
 from passes.fx.hazards import mark_range_hazards
 from passes.fx.index_values import mark_index_values
@@ -103,9 +108,9 @@ def run_amp_passes(
         output_cast: if given, the casts of outputs back to their dtype call
             ``output_cast(x, dtype, slot)`` instead (a buffer the runtime may keep).
         fuse_norms: let fp32 norms take and return ``low`` activations where every use
-            wanted ``low``, cast 4-D inputs of convolutions to channels-last and cast
-            embedding lookups instead of their tables (``passes.fx.fusions``): same numbers,
-            fewer bytes copied.
+            wanted ``low``, cast 4-D inputs of convolutions to channels-last, cast
+            embedding lookups instead of their tables and give CPU attention unrepeated
+            key/value heads (``passes.fx.fusions``): same numbers, fewer bytes copied.
 
     The passes (:func:`amp_passes`) run through ``passes._infra.PassManager``: any failure
     raises ``PassError`` naming the pass and, when known, the node it was processing. The
@@ -178,6 +183,7 @@ def amp_passes(
             named("fuse_norm_casts", fuse_norm_casts, low),
             named("channels_last_inputs", channels_last_inputs, low),
             named("sink_gather_casts", sink_gather_casts, low),
+            named("group_kv_heads", group_kv_heads),
         ]
     passes += [
         named("drop_dead_ops", drop_dead_ops, recompile=False),

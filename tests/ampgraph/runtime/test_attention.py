@@ -180,8 +180,8 @@ def test_training_runs_unfused_up_to_four_times_the_head_dim_of_keys_and_256_at_
 
 
 @pytest.mark.parametrize("case", ["more keys than 4x the head dim", "fp16", "fp32",
-                                  "mask wants a gradient", "grouped heads", "fp32 mask",
-                                  "no keys"])
+                                  "mask wants a gradient", "grouped heads without enable_gqa",
+                                  "fp32 mask", "no keys"])
 def test_other_calls_go_to_aten_unchanged(case):
     q, k, v = qkv(t=16, d=16, s={"more keys than 4x the head dim": 65, "no keys": 0}.get(case),
                   dtype=torch.float16 if case == "fp16" else
@@ -191,15 +191,39 @@ def test_other_calls_go_to_aten_unchanged(case):
         mask = torch.zeros(4, 1, 1, 16, dtype=BF16, requires_grad=True)
     if case in ("fp32 mask", "no keys"):
         mask = torch.zeros(4, 1, 1, k.shape[-2])
-    if case == "grouped heads":
+    if case == "grouped heads without enable_gqa":
         k, v = (t.detach()[:, :1].requires_grad_() for t in (k, v))
-        gqa = True
     assert not unfused_pays(q, k, v, mask, dropout, gqa)
     torch.manual_seed(0)
     ours = amp_attention(q, k, v, mask, dropout, enable_gqa=gqa)
     torch.manual_seed(0)
     ref = F.scaled_dot_product_attention(q, k, v, mask, dropout, enable_gqa=gqa)
     assert torch.equal(ours, ref)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+def test_grouped_heads_run_unfused_on_repeated_heads(dropout):
+    """enable_gqa (the graph's group_kv_heads takes HF's repeat_kv away): the unfused kernel
+    repeats the heads itself, as the graph did: the same outputs and gradients."""
+    q, k, v = qkv(h=4)
+    k, v = (t.detach()[:, :2].clone().requires_grad_() for t in (k, v))
+    mask = masks(4, 16, 16)["bool"][0]
+    assert unfused_pays(q, k, v, mask, dropout, True)
+    results = []
+    for grouped in (True, False):
+        for t in (q, k, v):
+            t.grad = None
+        torch.manual_seed(0)
+        keys, values = (k, v) if grouped else (attention._repeat_heads(t, 4) for t in (k, v))
+        out = amp_attention(q, keys, values, mask, dropout, enable_gqa=grouped)
+        out.float().sum().backward()
+        results.append((out, q.grad, k.grad, v.grad))
+    torch.testing.assert_close(results[0], results[1], rtol=0, atol=0)
+    torch.manual_seed(0)
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), mask,
+                                         enable_gqa=True)
+    if not dropout:
+        torch.testing.assert_close(results[0][0].float(), ref, rtol=2e-2, atol=2e-2)
 
 
 def test_o2_routes_bert_attention_and_trains_like_fp32():

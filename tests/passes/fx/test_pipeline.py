@@ -55,6 +55,7 @@ EXPECTED_PASSES = [
     "mark_range_hazards", "mark_index_values", "paint",
     "annotate", "insert_casts",
     "fold_casts", "fuse_norm_casts", "channels_last_inputs", "sink_gather_casts",
+    "group_kv_heads",
     "drop_dead_ops", "contiguous_linear_inputs", "verify",
     "count_casts", "route_weight_casts", "route_linears", "route_embeddings",
     "route_attention", "recompile",
