@@ -48,6 +48,7 @@ from passes.policy import (
     INFER,
     LOW,
     NA,
+    NORM,
     NORM_FP32,
     LevelPolicy,
     OpInfo,
@@ -130,8 +131,8 @@ def paint(graph: nx.DiGraph, policy: LevelPolicy) -> Assignment:
                 continue
         if fixed is not None:
             out[v] = fixed
-            if between is not None and info.cls == INFER:
-                between.add(v)
+            if between is not None and info.cls == INFER and info.group != NORM:
+                between.add(v)  # (a norm low by the user's keep_batchnorm_fp32=False stays)
         else:
             pending[v] = base
     if pending or between:
@@ -309,19 +310,23 @@ def _between(graph: _Adjacency, infer: set, clear: set, out: Assignment) -> None
     dropped until every one has a producer and a consumer and all of them are fp32 ops or
     members, and none is returned."""
     region = infer | clear
+    members = set(region)
 
     def fp32(u: Hashable) -> bool:
         return u in members if u in region else out[u].precision == FP32
 
-    members = set(region)
-    while True:
-        keep = {v for v in members
-                if (preds := graph.predecessors(v)) and all(map(fp32, preds))
-                and (succs := graph.successors(v)) and all(map(fp32, succs))
-                and not graph.graph.nodes[v].get("returned")}
-        if keep == members:
-            break
-        members = keep
+    def stays(v: Hashable) -> bool:
+        preds, succs = graph.predecessors(v), graph.successors(v)
+        return (bool(preds) and all(map(fp32, preds)) and bool(succs) and all(map(fp32, succs))
+                and not graph.graph.nodes[v].get("returned"))
+
+    todo = list(members)  # a worklist: a member leaves once, and only its neighbours are
+    while todo:  # looked at again (a chain of N ops ending low: N steps, not N passes)
+        v = todo.pop()
+        if v in members and not stays(v):
+            members.discard(v)
+            todo.extend(u for u in (*graph.predecessors(v), *graph.successors(v))
+                        if u in members)
     decide = _Decisions()
     for v in graph.topological_order(members & infer):
         src, dst = graph.predecessors(v)[0], graph.successors(v)[0]

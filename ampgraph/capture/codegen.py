@@ -18,15 +18,19 @@ parses its arguments into one of that name's overloads and calls it through the
 dispatcher. aten's overloads of one name share their semantics (``add.Tensor`` on a
 wrapped number is ``add.Scalar``), so the one the binding picks computes what the graph's
 did; ``tests/ampgraph/capture/test_codegen.py`` checks each call of the test models
-against its overload, bit for bit. Not rewritten: factories (no tensor input: torch's
-Python default device and function modes apply to bindings, not to overloads), calls
-passing a positional argument by keyword (bindings may name ``self`` ``input``), other
-namespaces, and the graph's runtime calls.
+against its overload, bit for bit, and the runner against the graph's code. Not
+rewritten: factories (no tensor input: torch's Python default device and function modes
+apply to bindings, not to overloads), calls passing a positional argument by keyword
+(bindings may name ``self`` ``input``), bindings FX would not write as themselves (see
+:func:`_emitted_as_itself`), other namespaces, and the graph's runtime calls. (The runner
+is made when a graph is captured: hooks added to the graph module later, or graph edits
+outside ``AmpModule.add_graph_transform``, do not reach it.)
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import types
 from collections.abc import Callable
 from typing import Any
@@ -34,6 +38,7 @@ from typing import Any
 import torch
 from torch import fx
 from torch.fx.graph_module import _forward_from_src
+from torch.fx.node import _get_qualified_name
 
 # torch's generated bindings, by namespace: torch.*, torch.nn.functional's C half,
 # torch.special, torch.linalg, torch.fft
@@ -67,8 +72,23 @@ def _binding(op: Any) -> tuple[str, Any] | None:
     for namespace in _FUNCTIONS:
         fn = getattr(namespace, name, None)
         if fn is not None:
-            return "call_function", fn
+            return ("call_function", fn) if _emitted_as_itself(fn) else None
     return None
+
+
+def _emitted_as_itself(fn: Any) -> bool:
+    """Whether the name FX's code writes for ``fn`` (``torch.<name>`` for a binding whose
+    module says torch) is ``fn`` itself: for some, ``torch.<name>`` is a Python wrapper of
+    another signature (``torch.functional``'s ``broadcast_tensors``, ``split``,
+    ``unique_consecutive``); for others FX finds no name at all (``unique_dim``)."""
+    try:
+        path = _get_qualified_name(fn).split(".")
+        obj = importlib.import_module(path[0])
+        for attr in path[1:]:
+            obj = getattr(obj, attr)
+    except Exception:
+        return False
+    return obj is fn
 
 
 def _direct(node: fx.Node) -> bool:
@@ -88,35 +108,31 @@ def _direct(node: fx.Node) -> bool:
     found = _binding(node.target)
     if found is None:
         return False
-    args, kwargs = list(node.args), {}
+    kwargs = {}
     for i, arg in enumerate(node.target._schema.arguments):
-        if arg.kwarg_only:
-            if arg.name in node.kwargs:
-                kwargs[arg.name] = node.kwargs[arg.name]
-            elif not _default(arg, kwargs):
-                return False
-        elif i >= len(args) and (arg.name in node.kwargs or not _default(arg, args)):
+        if arg.kwarg_only and arg.name in node.kwargs:
+            kwargs[arg.name] = node.kwargs[arg.name]
+        elif i >= len(node.args) and (arg.name in node.kwargs or not _default(arg, kwargs)):
             return False  # a positional argument by keyword (``self``: ``input``)
     if set(node.kwargs) - set(kwargs):
         return False
     node.op, node.target = found
-    node.args, node.kwargs = tuple(args), kwargs
+    node.kwargs = kwargs
     return True
 
 
-def _default(arg: Any, into: list | dict) -> bool:
-    """Add ``arg``'s schema default to ``into`` (the call's positional list or keywords);
-    False where it has none that a binding parses alike (a dtype or memory format other
-    than None is an enum's int in the schema)."""
+def _default(arg: Any, kwargs: dict) -> bool:
+    """Pass ``arg``'s schema default by keyword (its name in the binding too; by position a
+    trailing default can select a deprecated signature: ``add.Scalar``'s ``alpha`` makes
+    ``torch.add(x, other, 1)`` read as ``add(input, alpha, other)``); False where it has
+    none that a binding parses alike (a dtype or memory format other than None is an
+    enum's int in the schema)."""
     if not arg.has_default_value():
         return False
     value = arg.default_value
     if value is not None and any(t in str(arg.real_type) for t in _ENUMS):
         return False
-    if isinstance(into, list):
-        into.append(value)
-    else:
-        into[arg.name] = value
+    kwargs[arg.name] = value
     return True
 
 
@@ -133,8 +149,11 @@ def direct_runner(gm: fx.GraphModule) -> Callable[..., Any]:
     graph.output(rv, type_expr=getattr(output, "type", None))
     if not sum(_direct(node) for node in graph.nodes):
         return gm
-    code = graph.python_code(root_module="self")
-    forward = _forward_from_src(code.src, code.globals, getattr(gm.graph, "_co_fields", {}))
+    try:
+        code = graph.python_code(root_module="self")
+        forward = _forward_from_src(code.src, code.globals, getattr(gm.graph, "_co_fields", {}))
+    except Exception:  # FX could not write a call: the graph's own code serves
+        return gm
     return types.MethodType(forward, gm)
 
 

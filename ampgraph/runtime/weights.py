@@ -390,11 +390,11 @@ class WeightCache:
         be made again. (Called for every weight a training step casts: the lock is taken
         only where there is something to drop.)"""
         for p in params:
-            per = self._peek(p)
-            if per and any(k[0] == "infer" for k in per):
+            if self._peek(p):  # its entries change under the lock only: read them so too
                 with self._lock:
+                    per = self._per_param(p)
                     for key in [k for k in per if k[0] == "infer"]:
-                        per.pop(key, None)
+                        del per[key]
 
     def clear(self) -> None:
         with self._lock:

@@ -27,6 +27,7 @@ to accept the mix; the norm keeps ``amp_precision == "fp32"`` and gains ``meta["
 from __future__ import annotations
 
 import operator
+from typing import Any
 
 import torch
 from torch import fx
@@ -265,13 +266,15 @@ def group_kv_heads(gm: fx.GraphModule) -> PassResult:
     """
     modified = False
     for node in list(gm.graph.find_nodes(op="call_function", target=ATTENTION)):
-        q = tensors(node.meta.get("val"))
+        first = node.args[0] if node.args else None
+        q = tensors(first.meta.get("val")) if isinstance(first, fx.Node) else ()
         if len(node.args) < 3 or node.kwargs.get("enable_gqa") or not q \
                 or q[0].device.type != "cpu":
             continue
         key, value = _repeated(node.args[1]), _repeated(node.args[2])
-        if key is None or value is None or key[1] != value[1]:
-            continue
+        if key is None or value is None or key[1] != value[1] or len(q[0].shape) != 4 \
+                or not statically_known_true(q[0].shape[1] == key[2]):
+            continue  # grouped attention needs the query's own heads: no broadcast one
         node.update_arg(1, key[0])
         node.update_arg(2, value[0])
         node.update_kwarg("enable_gqa", True)
@@ -279,9 +282,9 @@ def group_kv_heads(gm: fx.GraphModule) -> PassResult:
     return PassResult(gm, modified)
 
 
-def _repeated(node: fx.Node) -> tuple[fx.Node, int] | None:
-    """``(x, n)`` when ``node`` is ``x`` (4-D) with each head repeated ``n`` times in place
-    (unsqueeze at 2, expand that dimension to ``n``, merge it into the heads)."""
+def _repeated(node: fx.Node) -> tuple[fx.Node, int, Any] | None:
+    """``(x, n, heads)`` when ``node`` is ``x`` (4-D) with each head repeated ``n`` times in
+    place (unsqueeze at 2, expand that dimension to ``n``, merge it into the ``heads``)."""
     if node.op != "call_function" or node.target not in RESHAPES:
         return None
     expand = node.args[0]
@@ -303,4 +306,4 @@ def _repeated(node: fx.Node) -> tuple[fx.Node, int] | None:
             (rs[0], xs[0]), (rs[1], xs[1] * n), (rs[2], xs[2]), (rs[3], xs[3])]
     if not all(statically_known_true(a == b) for a, b in same):
         return None
-    return x, n
+    return x, n, rs[1]

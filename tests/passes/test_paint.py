@@ -116,6 +116,15 @@ def test_o2_infer_ops_with_a_low_neighbour_or_a_returned_value_stay_low():
     assert p["add"] == p["gelu"] == LOW
     # fed by sources alone (no fp32 producer): low, as before
     assert precisions(chain("add", "rsqrt"), "O2")[0]["add"] == LOW
+    # a long chain decided by its far end, either way
+    long = ("softmax", *["mul", "view"] * 1000)
+    for end, expected in (("mm", LOW), ("rsqrt", FP32)):
+        _, a = precisions(chain(*long, end), "O2")
+        middle = {d.precision for v, d in a.items() if v.endswith((":mul", ":view"))}
+        assert middle == {expected}
+    # a norm the user put low (keep_batchnorm_fp32=False) stays low between fp32 ops
+    p, _ = precisions(chain("mm", "softmax", "layer_norm", "rsqrt"), "O2", keep_norm_fp32=False)
+    assert p["layer_norm"] == LOW
 
 
 @pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])
