@@ -29,7 +29,6 @@ from ampgraph.capture import (
     flatten_inputs,
     preserved_global_state,
     share_state,
-    shortcut_attribute_paths,
     signature_of,
 )
 from ampgraph.config import AmpConfig, dtype_name
@@ -191,8 +190,7 @@ class AmpModule(nn.Module):
             for graphs in self._amp_graphs.values():
                 for compiled in graphs:
                     transform(compiled.captured.gm)
-                    if self.amp_config.backend is None:  # it may have added submodules
-                        shortcut_attribute_paths(compiled.captured.gm)
+                    if self.amp_config.backend is None:  # a new graph, maybe submodules
                         compiled.runner = direct_runner(compiled.captured.gm)
 
     # -- execution ------------------------------------------------------------------------
@@ -278,7 +276,6 @@ class AmpModule(nn.Module):
         for transform in self._amp_transforms:
             transform(captured.gm)
         if backend is None:
-            shortcut_attribute_paths(captured.gm)
             runner = direct_runner(captured.gm)
         else:  # hand the rewritten aten graph to torch.compile
             runner = torch.compile(captured.gm, backend=backend, dynamic=True)

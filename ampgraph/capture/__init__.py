@@ -7,13 +7,12 @@ The ``no_grad`` regions export records are inlined right after export
 - ``structure``: flattening outputs (and inputs) of any structure, rebuilding them;
 - ``hf_caches``: HuggingFace cache objects as pytree nodes;
 - ``state``: ``preserved_global_state``, around every export attempt;
-- ``codegen``: the Python that runs a graph once the passes are done (``direct_runner``,
-  ``shortcut_attribute_paths``).
+- ``codegen``: the Python that runs a graph once the passes are done (``direct_runner``).
 """
 
 from __future__ import annotations
 
-from ampgraph.capture.codegen import direct_runner, shortcut_attribute_paths
+from ampgraph.capture.codegen import direct_runner
 from ampgraph.capture.export import (
     Captured,
     ExportRoot,
@@ -41,7 +40,6 @@ __all__ = [
     "quiet_export_logs",
     "register_hf_caches",
     "share_state",
-    "shortcut_attribute_paths",
     "signature",
     "signature_of",
     "unflatten_output",

@@ -11,7 +11,8 @@ O2 from autocast there.
   again with each aten overload that has a generated binding called through it (a global
   of the code, not an attribute path), on the same module. The graph itself keeps its
   ``OpOverload`` targets, for ``explain``, graph transforms and tests.
-- :func:`shortcut_attribute_paths` makes the code's parameter reads plain attribute reads.
+- :func:`shortcut_attribute_paths` (which :func:`direct_runner` runs first) makes the
+  code's parameter reads plain attribute reads.
 
 What a binding runs is what the overload runs: the generated binding of ``aten::name``
 parses its arguments into one of that name's overloads and calls it through the
@@ -139,7 +140,10 @@ def _default(arg: Any, kwargs: dict) -> bool:
 def direct_runner(gm: fx.GraphModule) -> Callable[..., Any]:
     """``gm``'s forward, bound to ``gm``, with its aten calls made through torch's
     generated bindings (see the module docstring); ``gm`` itself where it has hooks to run
-    (``nn.Module.__call__``) or nothing to rewrite. Make it again after changing the graph."""
+    (``nn.Module.__call__``) or nothing to rewrite. Either way the code's parameter reads
+    are made plain attribute reads first (:func:`shortcut_attribute_paths`). Make it again
+    after changing the graph or its submodules."""
+    shortcut_attribute_paths(gm)
     if (gm._forward_pre_hooks or gm._forward_hooks or gm._forward_pre_hooks_with_kwargs
             or gm._forward_hooks_always_called):
         return gm
@@ -163,9 +167,9 @@ def shortcut_attribute_paths(gm: fx.GraphModule) -> None:
     reads plain attributes instead of calling ``nn.Module.__getattr__`` at every step
     (3.4 us a read on a 2-layer HF LLaMA, 26 reads a call). ``nn.Module.__setattr__``
     replaces such an entry with the module it registers; ``add_module`` does not: call
-    this again after changing submodules that way (``AmpModule.add_graph_transform``
-    does). Parameters and buffers are still read through ``__getattr__`` (a buffer can be
-    reassigned in place of its entry)."""
+    this again after changing submodules that way (:func:`direct_runner` does, which
+    ``AmpModule.add_graph_transform`` calls). Parameters and buffers are still read
+    through ``__getattr__`` (a buffer can be reassigned in place of its entry)."""
     for node in gm.graph.find_nodes(op="get_attr"):
         owner = gm
         for name in node.target.split(".")[:-1]:

@@ -41,6 +41,8 @@ import torch
 from ampgraph.runtime import blocked, packed
 from ampgraph.runtime.buffers import take_free
 
+_linear = torch.nn.functional.linear  # aten.linear's generated binding: no OpOverload frame
+
 
 def _empty(p: torch.Tensor, dtype: torch.dtype, memory_format: torch.memory_format | None
            ) -> torch.Tensor:
@@ -166,9 +168,6 @@ class _Embedding(torch.autograd.Function):
         if ctx.padding_idx >= 0:  # the padding row gets no gradient
             rows = rows.masked_fill((flat == ctx.padding_idx).unsqueeze(1), 0)
         return out.zero_().index_add_(0, flat, rows.to(out.dtype)), None, None, None, None
-
-
-_linear = torch.nn.functional.linear  # aten.linear's generated binding: no OpOverload frame
 
 
 def _dead(wl: torch.Tensor, owned: bool) -> bool:
