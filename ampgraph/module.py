@@ -32,10 +32,10 @@ from ampgraph.capture import (
     signature_of,
 )
 from ampgraph.config import AmpConfig, dtype_name
-from ampgraph.runtime.attention import amp_attention
-from ampgraph.runtime.dropout import amp_dropout
-from ampgraph.runtime.outputs import OutputBuffers
-from ampgraph.runtime.weights import WeightCache
+from ampgraph.runtime.cpu.attention import amp_attention
+from ampgraph.runtime.cpu.dropout import amp_dropout
+from ampgraph.runtime.cpu.outputs import OutputBuffers
+from ampgraph.runtime.cpu.weights import WeightCache
 from ampgraph.signature import SignedForward, signed_forward
 from passes.fx import run_amp_passes
 from passes.fx.dtypes import dtype_of

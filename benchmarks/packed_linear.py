@@ -6,7 +6,7 @@
 
 aten's CPU ``linear`` in bf16/fp16 reorders the weight into oneDNN's layout on every call;
 ``WeightCache.amp_linear`` without gradients keeps the working copy packed
-(``ampgraph/runtime/packed.py``). Per shape (rows x in -> out), both are timed interleaved,
+(``ampgraph/runtime/cpu/packed.py``). Per shape (rows x in -> out), both are timed interleaved,
 median of ``--repeats`` calls after warm-up, on the same inputs; the largest difference of
 the two outputs is printed beside the times.
 """
@@ -23,8 +23,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from ampgraph.runtime import packed  # noqa: E402
-from ampgraph.runtime.weights import WeightCache  # noqa: E402
+from ampgraph.runtime.cpu import packed  # noqa: E402
+from ampgraph.runtime.cpu.weights import WeightCache  # noqa: E402
 
 SHAPES = [(8, 64, 128), (32, 128, 128), (4, 768, 3072), (256, 256, 256), (256, 1024, 1024),
           (1024, 768, 768), (1024, 768, 3072), (1024, 3072, 768), (256, 4096, 4096)]

@@ -22,8 +22,8 @@ MATMUL_OPS = {
     "addmm", "mm", "bmm", "baddbmm", "convolution", "matmul", "linear",
     "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention",
-    "attention",  # ampgraph::attention, the unfused CPU attention (ampgraph.runtime.attention)
-    "_linear_pointwise",  # oneDNN's linear on a packed weight (ampgraph.runtime.packed)
+    "attention",  # ampgraph::attention, the unfused CPU attention (ampgraph.runtime.cpu.attention)
+    "_linear_pointwise",  # oneDNN's linear on a packed weight (ampgraph.runtime.cpu.packed)
 }
 NORM_OPS = {
     "native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_functional",

@@ -258,7 +258,7 @@ def group_kv_heads(gm: fx.GraphModule) -> PassResult:
     backward of a 4x8x128x64 attention on 2 key heads, bf16, 2 threads, 6.5 -> 5.4 ms; of a
     LLaMA-3-like 4x32x128x64 on 8, 29.3 -> 23.2. Not on other devices: CUDA's kernels run a
     masked grouped attention on the math path. (The runtime's unfused kernel repeats the
-    heads itself: ``ampgraph.runtime.attention``.)
+    heads itself: ``ampgraph.runtime.cpu.attention``.)
 
     Example:
         >>> group_kv_heads(gm).modified

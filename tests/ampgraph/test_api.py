@@ -215,7 +215,7 @@ def test_deepcopy_of_compiled_module_is_independent():
 
 
 def test_training_working_copies_are_reused_and_never_overwritten_while_in_use(monkeypatch):
-    import ampgraph.runtime.weights as weights
+    import ampgraph.runtime.cpu.weights as weights
 
     monkeypatch.setattr(weights, "KEPT_COPY_BYTES", 0)  # kept however small
     model = Tiny()

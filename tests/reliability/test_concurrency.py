@@ -185,7 +185,7 @@ def test_two_training_forwards_racing_for_the_weight_buffer(monkeypatch):
     """The race made deterministic: both threads pick the weight's buffer before either casts
     into it; thread 1 casts after thread 0's forward, so thread 0's saved weight is
     overwritten in place before its backward."""
-    import ampgraph.runtime.weights as weights
+    import ampgraph.runtime.cpu.weights as weights
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))  # backward reads layer 1's weight

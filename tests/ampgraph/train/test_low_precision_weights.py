@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import ampgraph.runtime.weights as weights
+import ampgraph.runtime.cpu.weights as weights
 from ampgraph.train.low_precision_weights import (
     LowPrecisionUpdate,
     ModifiedMomentumSGD,

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import ampgraph
-from ampgraph.runtime import packed
+from ampgraph.runtime.cpu import packed
 from passes.fx.layouts import CONTIGUOUS, foldable
 from tests.helpers import cosine, record
 

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from ampgraph.runtime.dropout import keep_mask, scaled
+from ampgraph.runtime.cpu.dropout import keep_mask, scaled
 
 _sdpa = torch.nn.functional.scaled_dot_product_attention  # its generated binding (C)
 

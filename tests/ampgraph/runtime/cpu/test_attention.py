@@ -1,4 +1,4 @@
-"""The unfused CPU attention (ampgraph.runtime.attention) against aten and an fp64 reference."""
+"""The unfused CPU attention (ampgraph.runtime.cpu.attention) against aten and an fp64 reference."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import ampgraph
 from ampgraph.cli.analysis import node_flops
-from ampgraph.runtime import attention
-from ampgraph.runtime.attention import amp_attention, unfused_pays
-from ampgraph.runtime.dropout import keep_mask
+from ampgraph.runtime.cpu import attention
+from ampgraph.runtime.cpu.attention import amp_attention, unfused_pays
+from ampgraph.runtime.cpu.dropout import keep_mask
 from models import bert_encoder
 from tests.helpers import record
 

@@ -1,4 +1,4 @@
-"""The runtime's dropout (ampgraph.runtime.dropout): aten's dropout but for the draw."""
+"""The runtime's dropout (ampgraph.runtime.cpu.dropout): aten's dropout but for the draw."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import ampgraph
-from ampgraph.runtime.dropout import amp_dropout, keep_mask
+from ampgraph.runtime.cpu.dropout import amp_dropout, keep_mask
 
 BF16 = torch.bfloat16
 

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from ampgraph.runtime.buffers import take_free
-from ampgraph.runtime.weights import _CastInto
+from ampgraph.runtime.cpu.buffers import take_free
+from ampgraph.runtime.cpu.weights import _CastInto
 
 # glibc's largest mmap threshold: a fresh allocation this large always faults its pages in
 OUTPUT_BYTES = 32 << 20

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 import ampgraph
-import ampgraph.runtime.outputs as outputs
-from ampgraph.runtime.outputs import OutputBuffers
+import ampgraph.runtime.cpu.outputs as outputs
+from ampgraph.runtime.cpu.outputs import OutputBuffers
 
 BF16 = torch.bfloat16
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-import ampgraph.runtime.blocked as blocked
-import ampgraph.runtime.weights as weights
-from ampgraph.runtime.weights import WeightCache
+import ampgraph.runtime.cpu.blocked as blocked
+import ampgraph.runtime.cpu.weights as weights
+from ampgraph.runtime.cpu.weights import WeightCache
 from passes.fx import run_amp_passes
 from passes.policy import make_policy
 

@@ -38,8 +38,8 @@ from typing import Any
 
 import torch
 
-from ampgraph.runtime import blocked, packed
-from ampgraph.runtime.buffers import take_free
+from ampgraph.runtime.cpu import blocked, packed
+from ampgraph.runtime.cpu.buffers import take_free
 
 _linear = torch.nn.functional.linear  # aten.linear's generated binding: no OpOverload frame
 

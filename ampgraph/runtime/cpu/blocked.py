@@ -1,6 +1,6 @@
 """Products with a weight too large for a whole low-precision copy, a block at a time.
 
-:class:`ampgraph.runtime.weights._Linear` runs a weight of ``weights.BLOCKED_NUMEL``
+:class:`ampgraph.runtime.cpu.weights._Linear` runs a weight of ``weights.BLOCKED_NUMEL``
 elements or more (and a first layer's larger than the scratch) through these: each block
 of the fp32 master is cast into a pooled scratch of at most ``SCRATCH_NUMEL`` elements
 that feeds the columns (or rows) of the product it makes, so no whole low-precision copy

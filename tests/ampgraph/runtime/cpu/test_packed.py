@@ -1,4 +1,4 @@
-"""ampgraph/runtime/packed.py: inference linears on weights packed for oneDNN."""
+"""ampgraph/runtime/cpu/packed.py: inference linears on weights packed for oneDNN."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from torch import nn
 from torch.autograd import forward_ad as fwAD
 
 import ampgraph
-from ampgraph.runtime import packed
-from ampgraph.runtime.weights import WeightCache
+from ampgraph.runtime.cpu import packed
+from ampgraph.runtime.cpu.weights import WeightCache
 
 BF16 = torch.bfloat16
 needs_onednn_bf16 = pytest.mark.skipif(not packed._runs(BF16),
