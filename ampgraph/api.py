@@ -24,6 +24,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     module_overrides: Mapping[str, str] | None = None,
     keep_io_types: bool = True,
     backend: str | None = None,
+    runtime: str | None = None,
 ) -> nn.Module:
     """Rewrite ``model``'s graph for mixed precision at ``amp_level``.
 
@@ -48,6 +49,10 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         backend: None runs the rewritten graph eagerly (parameters cast once per forward,
             inference reuses low-precision working copies); "inductor" hands the rewritten
             graph to ``torch.compile`` so casts fuse with their neighbours.
+        runtime: what the graphs call at run time: None picks the model's device's at its
+            first call ("cpu": kept buffers, packed inference weights; "cuda": low-precision
+            weights refreshed once per step by multi-tensor ops); naming one selects it on
+            any device ("aten": every op aten's own).
 
     Returns:
         An :class:`~ampgraph.AmpModule` sharing ``model``'s parameters.
@@ -75,6 +80,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         module_overrides={} if module_overrides is None else module_overrides,
         keep_io_types=keep_io_types,
         backend=backend,
+        runtime=runtime,
     )
     low = torch.float32 if config.amp_level == "O0" else resolve_dtype(
         config.dtype, model_device(model))

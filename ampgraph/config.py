@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
+from ampgraph.runtime import RUNTIMES
 from passes.policy import FP32, FX_TABLE, LEVELS, LOW, LevelPolicy, make_policy
 
 DTYPE_NAMES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -23,13 +24,6 @@ PRECISIONS = {"fp32": FP32, "float32": FP32, "low": LOW, "bf16": "bf16", "fp16":
 def dtype_name(dtype: torch.dtype) -> str:
     """Short name used in reports: bf16, fp16, fp32 (else str(dtype))."""
     return SHORT_NAME.get(dtype, str(dtype).replace("torch.", ""))
-
-
-def cpu_has_fast_bf16() -> bool:
-    """True when this CPU has AVX512-BF16 or AMX (torch's bf16 matmul is fast there)."""
-    cpu = getattr(torch, "cpu", None)
-    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    return any(bool(getattr(cpu, c, lambda: False)()) for c in checks)
 
 
 def cpu_has_fast_fp16() -> bool:
@@ -115,6 +109,9 @@ class AmpConfig:
         custom_allow / custom_deny: op names, module classes or module-path patterns.
         module_overrides: module-path pattern -> "fp32" | "bf16" | "fp16" | "low".
         keep_io_types: cast outputs back to their original dtype.
+        backend: None (the graph runs eagerly) or a ``torch.compile`` backend name.
+        runtime: the runtime the graphs call ("cpu", "cuda", "aten"); None: the one of
+            the model's device (:func:`runtime_name`).
 
     Example:
         >>> AmpConfig.create(amp_level="O2").amp_level
@@ -129,6 +126,7 @@ class AmpConfig:
     module_overrides: Mapping[str, str] = field(default_factory=dict)
     keep_io_types: bool = True
     backend: str | None = None
+    runtime: str | None = None
 
     @classmethod
     def create(cls, **kwargs: Any) -> AmpConfig:
@@ -155,6 +153,9 @@ class AmpConfig:
         if self.backend is not None and not isinstance(self.backend, str):
             raise TypeError('backend must be None (eager) or a torch.compile backend name '
                             'such as "inductor"')
+        if self.runtime is not None and self.runtime not in RUNTIMES:
+            raise ValueError(f"unknown runtime {self.runtime!r}: choose one of "
+                             f"{', '.join(sorted(RUNTIMES))}, or None for the model's device's")
         if self.keep_batchnorm_fp32 not in (None, True, False):
             raise TypeError("keep_batchnorm_fp32 must be None, True or False")
         for name in ("custom_allow", "custom_deny"):
@@ -230,12 +231,22 @@ def _classify_override(item: Any, origin: str) -> tuple[str, str]:
     return ("op", key) if key is not None else ("module", item)
 
 
+def runtime_name(config: AmpConfig, device: torch.device) -> str:
+    """The runtime a compiled module runs on ``device``: the configured one, else the
+    device's own (a device without a runtime of its own gets the plain aten one).
+
+    Example:
+        >>> runtime_name(AmpConfig(), torch.device("cpu"))
+        'cpu'
+    """
+    if config.runtime is not None:
+        return config.runtime
+    return device.type if device.type in RUNTIMES else "aten"
+
+
 def model_device(model: nn.Module) -> torch.device:
     """The device of the model's first parameter or buffer (CPU if it has none)."""
     for t in (*model.parameters(), *model.buffers()):
         return t.device
     return torch.device("cpu")
 
-
-def as_tuple(items: Iterable[Any] | None) -> tuple:
-    return () if items is None else tuple(items)

@@ -31,11 +31,8 @@ from ampgraph.capture import (
     share_state,
     signature_of,
 )
-from ampgraph.config import AmpConfig, dtype_name
-from ampgraph.runtime.cpu.attention import amp_attention
-from ampgraph.runtime.cpu.dropout import amp_dropout
-from ampgraph.runtime.cpu.outputs import OutputBuffers
-from ampgraph.runtime.cpu.weights import WeightCache
+from ampgraph.config import AmpConfig, dtype_name, model_device, runtime_name
+from ampgraph.runtime import Runtime, make_runtime
 from ampgraph.signature import SignedForward, signed_forward
 from passes.fx import run_amp_passes
 from passes.fx.dtypes import dtype_of
@@ -99,8 +96,8 @@ class AmpModule(nn.Module):
         self.__dict__.update(
             _amp_model=model, amp_config=config, amp_dtype=low, _amp_path=path,
             _amp_graphs=OrderedDict(), _amp_lock=threading.RLock(), _amp_eager=None,
-            _amp_eager_reason=None, _amp_last=None, _amp_weights=WeightCache(),
-            _amp_outputs=OutputBuffers(), _amp_transforms=[], _amp_refused=set(),
+            _amp_eager_reason=None, _amp_last=None, _amp_runtime=None,
+            _amp_transforms=[], _amp_refused=set(),
             _amp_forward=signed_forward(model, AmpModule._run),
         )
         self._amp_policy = config.policy(low)
@@ -152,16 +149,17 @@ class AmpModule(nn.Module):
         Example:
             >>> sum(t.numel() * t.element_size() for t in net.working_copies())  # doctest: +SKIP
         """
-        copies = self._amp_weights.train_copies()
+        runtime = self._amp_runtime
+        copies = runtime.working_copies() if runtime is not None else []
         if self._amp_eager is not None:
             for child in _amp_children(self._amp_eager):
                 copies += child.working_copies()
         return copies
 
     def clear_weight_cache(self) -> None:
-        """Drop the weights' inference copies (after ``p.data`` edits) and kept outputs."""
-        self._amp_weights.clear()
-        self._amp_outputs.clear()
+        """Drop the weights' low-precision copies (after ``p.data`` edits) and kept outputs."""
+        if self._amp_runtime is not None:
+            self._amp_runtime.clear()
         if self._amp_eager is not None:
             for child in _amp_children(self._amp_eager):
                 child.clear_weight_cache()
@@ -257,14 +255,11 @@ class AmpModule(nn.Module):
                               f"captured for these input shapes ({_first_line(exc)}); calls "
                               "with them run eagerly in fp32", UserWarning, stacklevel=5)
             return None
-        backend, cache = self.amp_config.backend, self._amp_weights
-        routes = dict(weight_cast=cache.cast, linear=cache.amp_linear, dropout=amp_dropout,
-                      embedding=cache.amp_embedding, output_cast=self._amp_outputs.cast
-                      ) if backend is None else {}  # the runtime's own ops: no backend= only
+        backend = self.amp_config.backend
         try:
             result = run_amp_passes(captured.gm, self._amp_policy, self.amp_dtype,
                                     keep_io_types=self.amp_config.keep_io_types,
-                                    attention=amp_attention, **routes)
+                                    runtime=self._runtime_for(model).ops(backend))
         except Exception as exc:
             self._go_eager(f"ampgraph pass failed: {_first_line(exc)}")
             return None
@@ -280,6 +275,15 @@ class AmpModule(nn.Module):
         else:  # hand the rewritten aten graph to torch.compile
             runner = torch.compile(captured.gm, backend=backend, dynamic=True)
         return Compiled(captured, result.decisions, result.casts, runner)
+
+    def _runtime_for(self, model: nn.Module) -> Runtime:
+        """The runtime the resolved configuration names for the model's device now (made
+        once; again if the model moved to a device with another runtime)."""
+        name = runtime_name(self.amp_config, model_device(model))
+        runtime = self._amp_runtime
+        if runtime is None or runtime.name != name:
+            runtime = self.__dict__["_amp_runtime"] = make_runtime(name)
+        return runtime
 
     def _go_eager(self, reason: str) -> None:
         model = self._amp_model

@@ -26,9 +26,7 @@ def _mixed_io_supported(target, device: torch.device | None, low: torch.dtype) -
         >>> _mixed_io_supported(aten.layer_norm.default, torch.device("cpu"), torch.bfloat16)
         True
     """
-    if device is None or device.type not in ("cpu", "cuda"):
-        return False
-    if device.type == "cuda" and not torch.cuda.is_available():
+    if device is None:
         return False
     try:
         with torch.inference_mode(False), torch.enable_grad():
@@ -44,6 +42,7 @@ def _mixed_io_supported(target, device: torch.device | None, low: torch.dtype) -
                 y = aten.batch_norm(x, w, b, *stats, True, 0.1, 1e-5, False)
                 aten.batch_norm(x.detach(), w, b, *stats, False, 0.1, 1e-5, False)
             y.float().sum().backward()
-        return y.dtype == low and x.grad.dtype == low and w.grad.dtype == torch.float32
-    except (RuntimeError, TypeError, NotImplementedError):
+        real = not y.is_meta  # a tensor without data proves nothing
+        return real and y.dtype == low and x.grad.dtype == low and w.grad.dtype == torch.float32
+    except Exception:  # no such device here, or a kernel that refuses: no fusion
         return False

@@ -256,8 +256,9 @@ def group_kv_heads(gm: fx.GraphModule) -> PassResult:
     ``i // n`` either way; the key and value gradients are summed over each group before
     their one rounding, not after), but the repeated keys and values are never copied: forward and
     backward of a 4x8x128x64 attention on 2 key heads, bf16, 2 threads, 6.5 -> 5.4 ms; of a
-    LLaMA-3-like 4x32x128x64 on 8, 29.3 -> 23.2. Not on other devices: CUDA's kernels run a
-    masked grouped attention on the math path. (The runtime's unfused kernel repeats the
+    LLaMA-3-like 4x32x128x64 on 8, 29.3 -> 23.2. The pipeline runs it only for a runtime that
+    asks for it (``RuntimeOps.unrepeated_kv_heads``: CUDA's kernels run a masked grouped
+    attention on the math path). (The runtime's unfused kernel repeats the
     heads itself: ``ampgraph.runtime.cpu.attention``.)
 
     Example:
@@ -268,8 +269,7 @@ def group_kv_heads(gm: fx.GraphModule) -> PassResult:
     for node in list(gm.graph.find_nodes(op="call_function", target=ATTENTION)):
         first = node.args[0] if node.args else None
         q = tensors(first.meta.get("val")) if isinstance(first, fx.Node) else ()
-        if len(node.args) < 3 or node.kwargs.get("enable_gqa") or not q \
-                or q[0].device.type != "cpu":
+        if len(node.args) < 3 or node.kwargs.get("enable_gqa") or not q:
             continue
         key, value = _repeated(node.args[1]), _repeated(node.args[2])
         if key is None or value is None or key[1] != value[1] or len(q[0].shape) != 4 \

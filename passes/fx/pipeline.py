@@ -6,7 +6,6 @@ import contextlib
 import gc
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 import networkx as nx
 import torch
@@ -39,7 +38,9 @@ from passes.fx.routing import (
     route_output_casts,
     route_weight_casts,
 )
+from passes.fx.runtime_ops import ATEN_ONLY, RuntimeOps
 from passes.fx.verify import verify
+from passes.fx.weight_groups import group_weight_casts
 from passes.paint import Decision, paint
 from passes.policy import LevelPolicy
 
@@ -79,13 +80,8 @@ def run_amp_passes(
     low: torch.dtype,
     *,
     keep_io_types: bool = True,
-    weight_cast: Callable[..., Any] | None = None,
     fuse_norms: bool = True,
-    linear: Callable[..., Any] | None = None,
-    embedding: Callable[..., Any] | None = None,
-    attention: Callable[..., Any] | None = None,
-    dropout: Callable[..., Any] | None = None,
-    output_cast: Callable[..., Any] | None = None,
+    runtime: RuntimeOps = ATEN_ONLY,
 ) -> FxAmpResult:
     """Rewrite ``gm`` in place for mixed precision and verify the result.
 
@@ -94,23 +90,13 @@ def run_amp_passes(
         policy: from ``passes.policy.make_policy``.
         low: torch.bfloat16 or torch.float16.
         keep_io_types: cast float outputs back to their original dtype.
-        weight_cast: if given, parameter casts call ``weight_cast(param, dtype)`` (a cache of
-            low-precision working copies) instead of ``aten._to_copy``.
-        linear: with ``weight_cast``, low-precision ``aten.linear`` nodes on a cast parameter
-            call ``linear(x, w, b)`` instead (the runtime's choice of where weight
-            gradients go).
-        embedding: with ``weight_cast``, ``aten.embedding`` nodes on a float parameter call
-            ``embedding(table, ids, padding_idx)`` instead (likewise).
-        attention: if given, low-precision ``aten.scaled_dot_product_attention`` nodes call
-            it with the same arguments instead (the runtime's choice of kernel).
-        dropout: if given, low-precision ``aten.dropout`` nodes call it with the same
-            arguments instead (the runtime's draw of the mask).
-        output_cast: if given, the casts of outputs back to their dtype call
-            ``output_cast(x, dtype, slot)`` instead (a buffer the runtime may keep).
         fuse_norms: let fp32 norms take and return ``low`` activations where every use
-            wanted ``low``, cast 4-D inputs of convolutions to channels-last, cast
-            embedding lookups instead of their tables and give CPU attention unrepeated
-            key/value heads (``passes.fx.fusions``): same numbers, fewer bytes copied.
+            wanted ``low``, cast 4-D inputs of convolutions to channels-last and cast
+            embedding lookups instead of their tables (``passes.fx.fusions``): same
+            numbers, fewer bytes copied.
+        runtime: what the device's runtime carries out its own way (``RuntimeOps``: the
+            routed ops, and whether attention takes unrepeated grouped key/value heads);
+            by default every op stays aten's.
 
     The passes (:func:`amp_passes`) run through ``passes._infra.PassManager``: any failure
     raises ``PassError`` naming the pass and, when known, the node it was processing. The
@@ -123,10 +109,8 @@ def run_amp_passes(
     state = PipelineState()
     with gc_paused():
         PassManager(amp_passes(
-            policy, low, state, keep_io_types=keep_io_types, weight_cast=weight_cast,
-            fuse_norms=fuse_norms, linear=linear, embedding=embedding, attention=attention,
-            dropout=dropout, output_cast=output_cast,
-        )).run(gm)
+            policy, low, state, keep_io_types=keep_io_types, fuse_norms=fuse_norms,
+            runtime=runtime)).run(gm)
     return FxAmpResult(gm, state.decisions, state.casts)
 
 
@@ -145,13 +129,8 @@ def amp_passes(
     state: PipelineState,
     *,
     keep_io_types: bool = True,
-    weight_cast: Callable[..., Any] | None = None,
     fuse_norms: bool = True,
-    linear: Callable[..., Any] | None = None,
-    embedding: Callable[..., Any] | None = None,
-    attention: Callable[..., Any] | None = None,
-    dropout: Callable[..., Any] | None = None,
-    output_cast: Callable[..., Any] | None = None,
+    runtime: RuntimeOps = ATEN_ONLY,
 ) -> list[Callable[[fx.GraphModule], PassResult]]:
     """The passes :func:`run_amp_passes` runs, in order, each a named ``fn(gm) ->
     PassResult`` (the name a failure is reported under). The analyses write into
@@ -183,27 +162,32 @@ def amp_passes(
             named("fuse_norm_casts", fuse_norm_casts, low),
             named("channels_last_inputs", channels_last_inputs, low),
             named("sink_gather_casts", sink_gather_casts, low),
-            named("group_kv_heads", group_kv_heads),
         ]
+    if runtime.unrepeated_kv_heads:
+        passes.append(named("group_kv_heads", group_kv_heads))
     passes += [
         named("drop_dead_ops", drop_dead_ops, recompile=False),
         named("contiguous_linear_inputs", contiguous_linear_inputs, low),
         named("verify", verify, low),
         named("count_casts", _count_casts, state),
     ]
-    if weight_cast is not None:
-        passes.append(named("route_weight_casts", route_weight_casts, weight_cast,
+    rt = runtime
+    if rt.weight_group is not None:
+        passes.append(named("group_weight_casts", group_weight_casts, rt.weight_group,
+                            rt.group_numel, recompile=False))
+    if rt.weight_cast is not None:
+        passes.append(named("route_weight_casts", route_weight_casts, rt.weight_cast,
                             recompile=False))
-        if linear is not None:
-            passes.append(named("route_linears", route_linears, linear, low))
-        if embedding is not None:
-            passes.append(named("route_embeddings", route_embeddings, embedding))
-    if attention is not None:
-        passes.append(named("route_attention", route_attention, attention, low))
-    if dropout is not None:
-        passes.append(named("route_dropouts", route_dropouts, dropout, low))
-    if output_cast is not None and keep_io_types:
-        passes.append(named("route_output_casts", route_output_casts, output_cast))
+        if rt.linear is not None:
+            passes.append(named("route_linears", route_linears, rt.linear, low))
+        if rt.embedding is not None:
+            passes.append(named("route_embeddings", route_embeddings, rt.embedding))
+    if rt.attention is not None:
+        passes.append(named("route_attention", route_attention, rt.attention, low))
+    if rt.dropout is not None:
+        passes.append(named("route_dropouts", route_dropouts, rt.dropout, low))
+    if rt.output_cast is not None and keep_io_types:
+        passes.append(named("route_output_casts", route_output_casts, rt.output_cast))
     passes.append(named("recompile", _recompile))
     return passes
 

@@ -178,7 +178,7 @@ def test_inference_weight_cache_follows_every_weight_update():
     with torch.no_grad():
         first = net(x)
         assert torch.equal(net(x), first)
-        assert net._amp_weights.nbytes() > 0, "inference keeps low-precision working copies"
+        assert net._amp_runtime.weights.nbytes() > 0, "inference keeps low-precision working copies"
         model.fc2.weight.mul_(2)  # in-place update: version counter moves
         second = net(x)
         torch.testing.assert_close(second, model(x), rtol=0.05, atol=0.05)
@@ -238,7 +238,7 @@ def test_training_working_copies_are_reused_and_never_overwritten_while_in_use(m
     for _ in range(3):
         opt.zero_grad()
         out = net(x1)
-        cached = net._amp_weights._slots[id(model.fc1.weight)][1][("train", torch.bfloat16)]
+        cached = net._amp_runtime.weights._slots[id(model.fc1.weight)][1][("train", torch.bfloat16)]
         ptrs.add(cached[0].data_ptr())
         out.sum().backward()
         opt.step()

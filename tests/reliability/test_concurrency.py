@@ -154,14 +154,14 @@ def test_weight_cache_is_filled_once_under_concurrent_inference():
     assert all(torch.equal(o, outs[0][0]) for per in outs for o in per)
     torch.testing.assert_close(outs[0][0], ref, rtol=2e-2, atol=2e-2)
     params = sum(p.numel() for p in model.parameters())
-    assert net._amp_weights.nbytes() == 2 * params, "one bf16 copy per parameter"
+    assert net._amp_runtime.weights.nbytes() == 2 * params, "one bf16 copy per parameter"
     with torch.no_grad():
         model[0].weight.add_(1.0)  # a weight update reaches every thread's next call
         ref = model(x)
     fresh = [per[0] for per in in_threads(infer)]
     assert all(torch.equal(f, fresh[0]) for f in fresh)
     torch.testing.assert_close(fresh[0], ref, rtol=2e-2, atol=5e-2)
-    assert net._amp_weights.nbytes() == 2 * params, "the stale copies were replaced"
+    assert net._amp_runtime.weights.nbytes() == 2 * params, "the stale copies were replaced"
 
 
 def test_threads_converting_one_onnx_model():

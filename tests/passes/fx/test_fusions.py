@@ -10,6 +10,7 @@ from torch import nn
 
 from passes.fx import run_amp_passes
 from passes.fx.dtypes import dtype_of, is_amp_cast
+from passes.fx.runtime_ops import RuntimeOps
 from passes.policy import make_policy
 from tests.helpers import NORM_OPS, record
 
@@ -44,7 +45,8 @@ class LnBlock(nn.Module):
 
 def passes(model, inputs, fuse, level="O2", low=torch.bfloat16):
     gm = torch.export.export(model, inputs, strict=False).module()
-    run_amp_passes(gm, make_policy(level), low, fuse_norms=fuse)
+    run_amp_passes(gm, make_policy(level), low, fuse_norms=fuse,
+                   runtime=RuntimeOps(unrepeated_kv_heads=fuse))
     return gm
 
 

@@ -12,6 +12,7 @@ from torch import nn
 import passes.fx.pipeline as pipeline
 from passes import PassError, PassResult
 from passes.fx.pipeline import gc_paused, run_amp_passes
+from passes.fx.runtime_ops import RuntimeOps
 from passes.policy import make_policy
 from tests.helpers import make
 from tests.passes.fx.helpers import TwoConsumers, check_pass, export
@@ -67,11 +68,11 @@ def test_the_pipeline_is_a_list_of_named_passes():
         return None
 
     everything = pipeline.amp_passes(
-        make_policy("O2"), torch.bfloat16, pipeline.PipelineState(), weight_cast=fn, linear=fn,
-        embedding=fn, attention=fn)
+        make_policy("O2"), torch.bfloat16, pipeline.PipelineState(), runtime=RuntimeOps(
+            weight_cast=fn, linear=fn, embedding=fn, attention=fn, unrepeated_kv_heads=True))
     assert [p.__name__ for p in everything] == EXPECTED_PASSES
     plain = pipeline.amp_passes(make_policy("O0"), torch.bfloat16, pipeline.PipelineState(),
-                                fuse_norms=False, linear=fn)
+                                fuse_norms=False, runtime=RuntimeOps())
     assert [p.__name__ for p in plain] == [
         "prepare", "skip_whole_slices", "merge_duplicate_ops", "build_dataflow", "paint",
         "annotate",
@@ -91,7 +92,8 @@ def test_a_failing_pass_in_the_real_pipeline_is_named_with_its_node(monkeypatch)
     monkeypatch.setattr(pipeline, "route_attention", failing_route)
     gm = export(TwoConsumers(), (torch.randn(2, 4),))
     with pytest.raises(PassError) as info:
-        run_amp_passes(gm, make_policy("O2"), torch.bfloat16, attention=torch.add)
+        run_amp_passes(gm, make_policy("O2"), torch.bfloat16,
+                       runtime=RuntimeOps(attention=torch.add))
     first_low = next(n.name for n in gm.graph.nodes if n.meta.get("amp_precision") == "low")
     assert info.value.pass_name == "route_attention"
     assert info.value.node == first_low

@@ -11,6 +11,7 @@ from torch import nn
 from passes.fx import run_amp_passes, verify
 from passes.fx.dtypes import CAST, is_amp_cast
 from passes.fx.fold import count_casts
+from passes.fx.runtime_ops import RuntimeOps
 from passes.policy import make_policy
 
 aten = torch.ops.aten
@@ -46,9 +47,10 @@ class Net(nn.Module):
         return self.out(a + h).sum(1)
 
 
-def rewritten(model, ids, low, level="O2", **routes):
+def rewritten(model, ids, low, level="O2", keep_io_types=True, **routes):
     gm = torch.export.export(model, (ids,), strict=False).module()
-    result = run_amp_passes(gm, make_policy(level), low, **routes)
+    result = run_amp_passes(gm, make_policy(level), low, keep_io_types=keep_io_types,
+                            runtime=RuntimeOps(**routes))
     return gm, result
 
 

@@ -81,19 +81,19 @@ def test_compiled_inference_reuses_its_output_buffer_under_inference_mode(monkey
         expected = first.clone()
         del first
         again = net(x)
-    kept = [b.data_ptr() for slot in net._amp_outputs._kept.values() for b, _ in slot]
+    kept = [b.data_ptr() for slot in net._amp_runtime.outputs._kept.values() for b, _ in slot]
     assert again.data_ptr() == ptr and kept == [ptr] and again.dtype == torch.float32
     torch.testing.assert_close(again, expected, rtol=0, atol=0)
     with torch.no_grad():
         held = net(x)  # again is held: another buffer
-    assert held.data_ptr() != ptr and net._amp_outputs.nbytes() == 2 * held.numel() * 4
+    assert held.data_ptr() != ptr and net._amp_runtime.outputs.nbytes() == 2 * held.numel() * 4
     torch.testing.assert_close(held, expected, rtol=0, atol=0)
     out = net(x)  # with autograd: into a kept buffer too, with a graph
     assert out.grad_fn is not None
     out.sum().backward()
     assert all(p.grad is not None for p in model.parameters())
     net.clear_weight_cache()
-    assert net._amp_outputs.nbytes() == 0
+    assert net._amp_runtime.outputs.nbytes() == 0
 
 
 def test_buffers_stay_bounded_when_shapes_change(monkeypatch):

@@ -126,7 +126,7 @@ def test_a_compiled_model_infers_on_packed_weights_and_trains_after(context):
         h = nn.functional.gelu(aten_linear(x.to(BF16), model[0].weight, model[0].bias))
         ref = aten_linear(h, model[2].weight, model[2].bias).float()
     torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)
-    cache = net._amp_weights
+    cache = net._amp_runtime.weights
     assert len(packed_entries(cache)) == 2
     net.train()
     net(x).sum().backward()  # training drops the now stale packed copies

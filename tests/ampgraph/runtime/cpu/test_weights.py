@@ -13,6 +13,7 @@ import ampgraph.runtime.cpu.blocked as blocked
 import ampgraph.runtime.cpu.weights as weights
 from ampgraph.runtime.cpu.weights import WeightCache
 from passes.fx import run_amp_passes
+from passes.fx.runtime_ops import RuntimeOps
 from passes.policy import make_policy
 
 
@@ -30,9 +31,9 @@ class Net(nn.Module):
 def compiled(model, x, fused):
     gm = torch.export.export(model, (x,), strict=False).module()
     cache = WeightCache()
-    run_amp_passes(gm, make_policy("O2"), torch.bfloat16, weight_cast=cache.cast,
-                   linear=cache.amp_linear if fused else None,
-                   embedding=cache.amp_embedding if fused else None)
+    run_amp_passes(gm, make_policy("O2"), torch.bfloat16, runtime=RuntimeOps(
+        weight_cast=cache.cast, linear=cache.amp_linear if fused else None,
+        embedding=cache.amp_embedding if fused else None))
     return gm, cache
 
 
