@@ -6,6 +6,7 @@ Run on demand (never as a timed test):
     python benchmarks/real_models.py --models bert,gpt2 --steps 5
     python benchmarks/real_models.py --device cuda        # when a GPU is lent
     python benchmarks/real_models.py --smoke              # tiny configs: harness check
+    python benchmarks/real_models.py --device cuda --suite gpu   # the GPU suite (gpu_suite.py)
 
 The models are built as their libraries build them, from default configs (unless stated)
 with random weights; nothing is downloaded:
@@ -277,7 +278,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny configs, 1 step: harness check")
     p.add_argument("--json", default="bench_results/real_models.json")
     p.add_argument("--memory-probe", help=argparse.SUPPRESS)
+    p.add_argument("--suite", default="cpu", choices=["cpu", "gpu"],
+                   help="gpu: GPU sizes, every mode in one process (benchmarks/gpu_suite.py)")
     args = p.parse_args(argv)
+    if args.suite == "gpu":
+        import gpu_suite
+
+        args.command = " ".join(["benchmarks/real_models.py"] + (argv or sys.argv[1:]))
+        if args.models == ",".join(MODELS):
+            args.models = ",".join(gpu_suite.MODELS)
+        if args.modes == ",".join(MODES):
+            args.modes = ",".join(gpu_suite.MODES)
+        if args.smoke:
+            args.steps, args.warmup = 1, 1
+        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+        gpu_suite.run(args)
+        return 0
     args.low = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     if args.processes < 1:
         p.error("--processes must be at least 1")

@@ -106,7 +106,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
                    "params": [p.detach().clone() for p in model.parameters()]}
     # 3. resume: the scale state comes back from the checkpoint
     model = Classifier()
-    plugin = AmpGraphPrecision("O2", dtype="fp16")  # a fresh manager at 2**24
+    plugin = AmpGraphPrecision("O2", dtype="fp16")  # a fresh manager at 2**16
     trainer = _trainer(plugin, FP16_STEPS + 2, out_dir)
     trainer.fit(model, _data(), ckpt_path=ckpt)
     out["resume"] = {"records": model.records, "state": plugin.state_dict()}
@@ -136,7 +136,7 @@ def test_ddp_bf16_trains_fp16_skips_together_and_the_scale_resumes(tmp_path):
     ckpt = torch.load(tmp_path / "fp16.ckpt", weights_only=False)
     assert ckpt["AmpGraphPrecision"]["loss_scale"] == 2.0**7
     assert ckpt["AmpGraphPrecision"]["manager"] == "DynamicLossScaleManager"
-    # resumed at step FP16_STEPS with the saved scale, not a fresh 2**24
+    # resumed at step FP16_STEPS with the saved scale, not a fresh 2**16
     resumed = r0["resume"]
     assert len(resumed["records"]) == 2
     assert resumed["records"][0][0] == 2.0**7
