@@ -24,6 +24,7 @@ checks: call ``AmpModule.clear_weight_cache()`` after them.
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any
 
 import torch
@@ -35,22 +36,72 @@ def _storage_refs(t: torch.Tensor) -> int:
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
 
+class MasterCopies:
+    """The low-precision copy of each master, per (dtype, memory format), shared by every
+    graph of a module (train and eval graphs read the same copies); thread-safe; an entry
+    dies with its master."""
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple, list] = {}  # (id, dtype, format) -> [ref, copy, key]
+        self._lock = threading.Lock()
+        self.refreshes = 0  # multi-tensor refreshes made (tests, benchmarks)
+
+    def refreshed(self, params: tuple[torch.Tensor, ...], specs: tuple[_Spec, ...],
+                  keys: list[tuple[int, int, int]]) -> list[torch.Tensor]:
+        """The copies of ``params``, the stale ones written again by one multi-tensor copy
+        (``keys``: each master's identity, version and storage)."""
+        with self._lock, torch.no_grad(), torch.inference_mode(False):
+            copies, stale = [], []
+            for p, (dtype, fmt), key in zip(params, specs, keys):
+                slot = (key[0], dtype, fmt)
+                entry = self._entries.get(slot)
+                if entry is None or entry[0]() is not p:
+                    entry = self._entries[slot] = [weakref.ref(p, self._forget(slot)),
+                                                   None, None]
+                copy = entry[1]
+                if entry[2] != key:
+                    if copy is None or _storage_refs(copy) > 1 or copy.shape != p.shape \
+                            or copy.device != p.device:  # saved by a live graph: a new one
+                        copy = entry[1] = _empty(p, dtype, fmt)
+                    entry[2] = key
+                    stale.append((copy, p.detach()))
+                copies.append(copy)
+            if stale:
+                torch._foreach_copy_([c for c, _ in stale], [p for _, p in stale])
+                self.refreshes += 1
+            return copies
+
+    def _forget(self, slot: tuple):
+        def drop(ref: weakref.ref) -> None:
+            with self._lock:
+                entry = self._entries.get(slot)
+                if entry is not None and entry[0] is ref:
+                    del self._entries[slot]
+        return drop
+
+    def copies(self) -> list[torch.Tensor]:
+        with self._lock:
+            return [e[1] for e in self._entries.values() if e[1] is not None]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries = {}
+
+
 class WeightGroup:
-    """A group's kept copies; :meth:`low_copies` returns them, refreshed if a master
-    changed.
+    """One graph's group of parameter casts; :meth:`low_copies` returns the copies from
+    ``store``, refreshed if a master changed.
 
     Example:
-        >>> group = WeightGroup(((torch.bfloat16, None),))
+        >>> group = WeightGroup(((torch.bfloat16, None),), MasterCopies())
         >>> group.low_copies(torch.ones(2, requires_grad=True))[0].dtype
         torch.bfloat16
     """
 
-    def __init__(self, specs: tuple[_Spec, ...]) -> None:
+    def __init__(self, specs: tuple[_Spec, ...], store: MasterCopies) -> None:
         self.specs = specs
-        self._copies: list[torch.Tensor] = []
-        self._key: list[tuple[int, int, int]] = []
-        self._lock = threading.Lock()
-        self.refreshes = 0  # how often the copies were written (tests, benchmarks)
+        self.store = store
+        self._last: tuple[list, list[torch.Tensor]] = ([], [])  # (keys, copies), one object
 
     def low_copies(self, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """``tuple(p.to(low) for p in params)``, differentiable, from the kept copies."""
@@ -59,29 +110,19 @@ class WeightGroup:
         return tuple(c.view_as(c) for c in self.current(params))
 
     def current(self, params: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
-        """The copies of ``params``, written again first if any master changed."""
+        """The copies of ``params``, written again first if any master changed (a master
+        changed only if its key did: the last copies stand while every key does)."""
         key = [(id(p), p._version, p.data_ptr()) for p in params]
-        if key == self._key:
-            return self._copies
-        with self._lock, torch.no_grad(), torch.inference_mode(False):
-            if key == self._key:  # another thread refreshed them meanwhile
-                return self._copies
-            copies = self._copies
-            if not copies or any(_storage_refs(c) > 1 or c.shape != p.shape
-                                 or c.device != p.device for c, p in zip(copies, params)):
-                copies = [_empty(p, dtype, fmt) for p, (dtype, fmt) in zip(params, self.specs)]
-            masters = [p.detach() for p in params]
-            torch._foreach_copy_(copies, masters)
-            self._copies, self._key = copies, key
-            self.refreshes += 1
-            return copies
+        last = self._last
+        if key == last[0]:
+            return last[1]
+        copies = self.store.refreshed(params, self.specs, key)
+        self._last = (key, copies)
+        return copies
 
-    def clear(self) -> None:
-        with self._lock:
-            self._copies, self._key = [], []
-
-    def nbytes(self) -> int:
-        return sum(c.numel() * c.element_size() for c in self._copies)
+    def forget(self) -> None:
+        """Look the copies up in the store again at the next call."""
+        self._last = ([], [])
 
 
 class _GroupCast(torch.autograd.Function):

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 
 from ampgraph.runtime.base import Runtime
-from ampgraph.runtime.cuda.master_weights import WeightGroup
+from ampgraph.runtime.cuda.master_weights import MasterCopies, WeightGroup
 from passes.fx.runtime_ops import RuntimeOps
 
 # A group's gradients are ready together, once backward has passed the group's first use:
@@ -39,6 +39,7 @@ class CudaRuntime(Runtime):
     name = "cuda"
 
     def __init__(self) -> None:
+        self.copies = MasterCopies()
         self._groups: weakref.WeakSet[WeightGroup] = weakref.WeakSet()
         self._lock = threading.Lock()
 
@@ -51,7 +52,7 @@ class CudaRuntime(Runtime):
         """What a new group of parameter casts calls (``passes.fx.weight_groups``): its
         :meth:`WeightGroup.low_copies`. The graph holds the group; the runtime only tracks
         it for :meth:`clear` and :meth:`working_copies`."""
-        group = WeightGroup(specs)
+        group = WeightGroup(specs, self.copies)
         with self._lock:
             self._groups.add(group)
         return group.low_copies
@@ -61,11 +62,12 @@ class CudaRuntime(Runtime):
             return list(self._groups)
 
     def working_copies(self) -> list[torch.Tensor]:
-        return [c for g in self.groups() for c in g._copies]
+        return self.copies.copies()
 
     def nbytes(self) -> int:
-        return sum(g.nbytes() for g in self.groups())
+        return sum(c.numel() * c.element_size() for c in self.copies.copies())
 
     def clear(self) -> None:
-        for group in self.groups():
-            group.clear()
+        self.copies.clear()
+        for group in self.groups():  # their last copies would stand while the keys do
+            group.forget()
