@@ -100,7 +100,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
 
 def _check_parameters(model: nn.Module) -> None:
     tensors = [*model.named_parameters(), *model.named_buffers()]
-    meta = [name for name, t in tensors if t.device.type == "meta"]
+    meta = [name for name, t in tensors if t.is_meta]
     if meta:
         raise ValueError(
             f"the model is on the meta device ({meta[0]} has no data): materialise it first, "

@@ -31,6 +31,7 @@ from ampgraph.capture import (
     share_state,
     signature_of,
 )
+from ampgraph.capture.state import AUTOCAST_DEVICES
 from ampgraph.config import AmpConfig, dtype_name, model_device, runtime_name
 from ampgraph.runtime import Runtime, make_runtime
 from ampgraph.signature import SignedForward, signed_forward
@@ -47,18 +48,15 @@ MAX_REFUSED_SHAPES = 1024  # input shapes export refused, remembered so as not t
 ROUTED_METHODS = frozenset({"generate"})
 
 
-_AUTOCAST_DEVICES = ("cpu", "cuda")
-
-
 def _autocast_on() -> bool:
-    return any(torch.is_autocast_enabled(d) for d in _AUTOCAST_DEVICES)
+    return any(torch.is_autocast_enabled(d) for d in AUTOCAST_DEVICES)
 
 
 def _autocast_off() -> contextlib.ExitStack:
     """Disable autocast on every device where it is on (Accelerate, Lightning, HF Trainer
     wrap forward in it); the graph keeps its fp32 ops fp32 and capture sees no autocast."""
     stack = contextlib.ExitStack()
-    for device in _AUTOCAST_DEVICES:
+    for device in AUTOCAST_DEVICES:
         if torch.is_autocast_enabled(device):
             stack.enter_context(torch.autocast(device, enabled=False))
     return stack

@@ -222,7 +222,10 @@ def copy_kernels(m: GpuMode) -> dict[str, int]:
     return counts
 
 
-def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float | None:
+    """None where fp32's logits are all zero (torchvision's ViT head starts at zero)."""
+    if not b.any():
+        return None
     return nn.functional.cosine_similarity(a.double().flatten(), b.double().flatten(),
                                            dim=0).item()
 

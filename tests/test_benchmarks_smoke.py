@@ -57,6 +57,27 @@ def test_real_models_harness_smoke_mode(tmp_path):
 
 
 @pytest.mark.slow
+def test_gpu_suite_smoke_on_the_cpu_writes_a_line_per_measurement(tmp_path):
+    """``--device cuda --suite gpu`` with the device swapped for the CPU and tiny configs:
+    every mode of every model measured, and written line by line."""
+    out = tmp_path / "gpu.jsonl"
+    proc = run("benchmarks/real_models.py", "--suite", "gpu", "--device", "cpu", "--smoke",
+               "--models", "bert,llama", "--modes", "fp32,autocast,O2,O2-fp16,floor",
+               "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows[0]["kind"] == "machine" and rows[-1]["kind"] == "geomean"
+    results = [r for r in rows if r["kind"] == "result"]
+    assert {(r["model"], r["mode"]) for r in results} == {
+        (m, mode) for m in ("bert", "llama")
+        for mode in ("fp32", "autocast", "O2", "O2-fp16", "floor")}
+    for r in results:
+        assert r["train_ms"] > 0 and r["infer_ms"] > 0 and r["train_host_ms"] > 0
+        assert r["copy_"] + r["_to_copy"] > 0 and r["eval_cosine_vs_fp32"] > 0.99
+    assert all(r["working_copies_mib"] >= 0 for r in results if r["mode"].startswith("O2"))
+
+
+@pytest.mark.slow
 def test_numerics_quick_mode_reports_both_stories(tmp_path):
     out = tmp_path / "numerics.json"
     proc = run("benchmarks/numerics.py", "--quick", "--json", str(out), "--plots", str(tmp_path))

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import torch
 
-_AUTOCAST_DEVICES = ("cpu", "cuda")
+AUTOCAST_DEVICES = ("cpu", "cuda")
 
 
 @contextlib.contextmanager
@@ -33,7 +33,7 @@ def preserved_global_state(rng: bool = True) -> Iterator[None]:
     inference = torch.is_inference_mode_enabled()
     default_dtype = torch.get_default_dtype()
     autocast = {d: (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
-                for d in _AUTOCAST_DEVICES}
+                for d in AUTOCAST_DEVICES}
     autocast_cache = torch.is_autocast_cache_enabled()
     nesting = torch.autocast_increment_nesting() - 1
     torch.autocast_decrement_nesting()

@@ -111,7 +111,7 @@ def _tensor_constant(gm: fx.GraphModule, node: fx.Node, big: float, tiny: float)
         value = getattr(gm, node.target, None)
     if not isinstance(value, torch.Tensor) or isinstance(value, torch.nn.Parameter):
         return []
-    if not value.is_floating_point() or value.numel() == 0 or value.device.type == "meta":
+    if not value.is_floating_point() or value.numel() == 0 or value.is_meta:
         return []
     finite = value[torch.isfinite(value)].double()
     bad = finite[(finite.abs() > big) | ((finite != 0) & (finite.abs() < tiny))]

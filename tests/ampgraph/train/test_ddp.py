@@ -1,4 +1,6 @@
-"""Two gloo ranks on CPU: when only one rank overflows, both skip and stay identical."""
+"""Two gloo ranks on CPU: when only one rank overflows, both skip and stay identical; on
+either runtime (the CUDA one runs on CPU tensors when named), whose gradients reach DDP's
+hooks before backward ends."""
 
 from __future__ import annotations
 
@@ -30,16 +32,29 @@ def _batch(rank: int, i: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(16, 64, generator=g), torch.randint(0, 10, (16,), generator=g)
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
+def _worker(rank: int, port: int, out_dir: str, runtime: str) -> None:
     import ampgraph
+    import ampgraph.runtime.cuda.runtime as cuda_runtime
     from ampgraph.train.loss_scale import DynamicLossScaleManager
     from ampgraph.train.step import build_train_step
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    cuda_runtime.GROUP_NUMEL = 1000  # the first layer's weight alone, the rest in another
     model = _mlp()
-    ddp = DistributedDataParallel(ampgraph.compile(model, "O2", "bf16"))
+    ddp = DistributedDataParallel(ampgraph.compile(model, "O2", "bf16", runtime=runtime))
+    # the order in which gradients become ready, against the input's (the last one)
+    order = []
+    hooks = [p.register_post_accumulate_grad_hook(lambda p, i=i: order.append(i))
+             for i, p in enumerate(model.parameters())]
+    x, y = _batch(rank, 99)
+    x.requires_grad_()
+    x.register_hook(lambda g: order.append("input"))
+    F.cross_entropy(ddp(x), y).backward()
+    for h in hooks:
+        h.remove()
+    model.zero_grad(set_to_none=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     armed = [False]
 
@@ -70,14 +85,16 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         uncompiled_error = str(exc)
     torch.save({
         "records": records, "stepped": stepped, "uncompiled_error": uncompiled_error,
+        "order": order,
         "code": step.code + accumulate.code, "scale": manager.get_loss_scale(),
         "params": [p.detach().clone() for p in model.parameters()],
     }, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
-def test_one_rank_overflowing_makes_every_rank_skip(tmp_path):
-    spawn(_worker, free_port(), str(tmp_path), nprocs=WORLD)
+@pytest.mark.parametrize("runtime", ["cpu", "cuda"])
+def test_one_rank_overflowing_makes_every_rank_skip(tmp_path, runtime):
+    spawn(_worker, free_port(), str(tmp_path), runtime, nprocs=WORLD)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD))
     assert "dist.all_reduce(found_inf, op=dist.ReduceOp.MAX" in r0["code"]
     assert "with net.no_sync() if micro != 1 else nullcontext():" in r0["code"]
@@ -91,3 +108,6 @@ def test_one_rank_overflowing_makes_every_rank_skip(tmp_path):
     for p, q in zip(r0["params"], r1["params"]):
         assert torch.equal(p, q)
     assert "compile first, then wrap" in r0["uncompiled_error"]
+    # gradients reach DDP's hooks during backward: the last layer's before the first's
+    order = r0["order"]
+    assert order.index(2) < order.index(0) < order.index("input"), order

@@ -50,13 +50,13 @@ class Tiny(nn.Module):
         return self.head(h).clone()  # FSDP2 warns when the root returns a view
 
 
-def _model(dtype):
+def _model(dtype, runtime=None):
     import ampgraph
 
     torch.manual_seed(0)
     model = Tiny()
     for i, block in enumerate(model.layers):
-        model.layers[i] = ampgraph.compile(block, amp_level="O2", dtype=dtype)
+        model.layers[i] = ampgraph.compile(block, amp_level="O2", dtype=dtype, runtime=runtime)
     return model
 
 
@@ -70,7 +70,7 @@ def _loss(out, y):
     return F.cross_entropy(out.flatten(0, 1), y.flatten())
 
 
-def _worker(rank: int, init_file: str, out_dir: str) -> None:
+def _worker(rank: int, init_file: str, out_dir: str, runtime: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -84,7 +84,7 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
     rows = slice(rank * BATCH, (rank + 1) * BATCH)
 
     def sharded(dtype):
-        model = _model(dtype)
+        model = _model(dtype, runtime)
         for i in range(len(model.layers)):
             fully_shard(model.layers[i], mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -145,8 +145,10 @@ def _reference_losses() -> list[float]:
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
-def test_fully_shard_over_compiled_blocks_matches_the_unsharded_run(tmp_path, one_thread):
-    spawn(_worker, str(tmp_path / "init"), str(tmp_path), nprocs=WORLD)
+@pytest.mark.parametrize("runtime", ["cpu", "cuda"])
+def test_fully_shard_over_compiled_blocks_matches_the_unsharded_run(tmp_path, one_thread,
+                                                                    runtime):
+    spawn(_worker, str(tmp_path / "init"), str(tmp_path), runtime, nprocs=WORLD)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD))
     reference = _reference_losses()
     assert r0["losses"] == r1["losses"]
