@@ -148,7 +148,7 @@ def test_plugin_state_waits_for_auto_and_refuses_a_mismatch():
     from ampgraph.train.loss_scale import DynamicLossScaleManager
 
     saved = AmpGraphPrecision("O2", dtype="fp16").state_dict()
-    assert saved["loss_scale"] == 2.0**24 and saved["manager"] == "DynamicLossScaleManager"
+    assert saved["loss_scale"] == 2.0**16 and saved["manager"] == "DynamicLossScaleManager"
     # "auto" resolves at convert_module, on the Trainer's device; the state waits for it
     auto = AmpGraphPrecision(loss_scale_manager=DynamicLossScaleManager())
     auto.load_state_dict({**saved, "loss_scale": 64.0})

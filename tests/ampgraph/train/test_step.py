@@ -241,7 +241,7 @@ def test_auto_loss_scale_manager():
     sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.1)
     m = mlp()
     auto16 = build_train_step(m, F.cross_entropy, sgd(m), "O2", "fp16").loss_scale_manager
-    assert isinstance(auto16, DynamicLossScaleManager) and auto16.get_loss_scale() == 2.0**24
+    assert isinstance(auto16, DynamicLossScaleManager) and auto16.get_loss_scale() == 2.0**16
     m = mlp()
     assert build_train_step(m, F.cross_entropy, sgd(m), "O2", "bf16").loss_scale_manager is None
     m = mlp()
