@@ -37,6 +37,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from perf import Mode
 from torch import nn
 
 import ampgraph
@@ -146,19 +147,11 @@ class GpuMode:
         return self.net(**self.inputs)
 
     def train_step(self) -> None:
-        self.model.train()
         if self.step is not None:
+            self.model.train()
             self.step(None, **self.inputs)
-            return
-        loss = self.loss(self.forward())
-        self.opt.zero_grad(set_to_none=True)
-        if self.scaler is not None:
-            self.scaler.scale(loss).backward()
-            self.scaler.step(self.opt)
-            self.scaler.update()
-        else:
-            loss.backward()
-            self.opt.step()
+        else:  # the user's loop, as perf.py's modes run it
+            Mode.train_step(self)
 
     def infer(self) -> Any:
         self.model.eval()

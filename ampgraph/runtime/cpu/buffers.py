@@ -11,10 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-
-def storage_refs(t: torch.Tensor) -> int:
-    """How many tensors share ``t``'s storage."""
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+from ampgraph.runtime.tensors import storage_refs
 
 
 def take_free(pool: list[tuple[torch.Tensor, int]], fits: Callable[[torch.Tensor], bool],

@@ -40,17 +40,9 @@ import torch
 
 from ampgraph.runtime.cpu import blocked, packed
 from ampgraph.runtime.cpu.buffers import take_free
+from ampgraph.runtime.tensors import empty_as
 
 _linear = torch.nn.functional.linear  # aten.linear's generated binding: no OpOverload frame
-
-
-def _empty(p: torch.Tensor, dtype: torch.dtype, memory_format: torch.memory_format | None
-           ) -> torch.Tensor:
-    """An empty ``dtype`` tensor shaped as ``p``, in ``memory_format`` or, without one, with
-    ``p``'s strides (a channels-last master stays so)."""
-    if memory_format is None:
-        return torch.empty_strided(p.shape, p.stride(), dtype=dtype, device=p.device)
-    return torch.empty(p.shape, dtype=dtype, device=p.device, memory_format=memory_format)
 
 
 class _CastInto(torch.autograd.Function):
@@ -257,7 +249,7 @@ class WeightCache:
                 # AccumulateGrad gives the master a gradient of its own strides (a copy)
                 return p.to(dtype, memory_format=memory_format or torch.preserve_format)
             with torch.inference_mode(False):
-                buf = _empty(p, dtype, memory_format)
+                buf = empty_as(p, dtype, memory_format)
             return _CastInto.apply(p, buf)
         return self._inference_copy(p, ("infer", dtype, memory_format), lambda d: d.to(
             dtype, memory_format=memory_format or torch.preserve_format))
@@ -342,7 +334,7 @@ class WeightCache:
             per = self._per_param(p)
             pool = [per[key]] if key in per else []
             view = take_free(pool, lambda buf: buf.shape == p.shape and buf.stride() == p.stride()
-                             and buf.device == p.device, lambda: _empty(p, dtype, None), 1)
+                             and buf.device == p.device, lambda: empty_as(p, dtype, None), 1)
             per[key] = pool[0]
             return view
 

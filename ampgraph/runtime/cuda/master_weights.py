@@ -29,11 +29,9 @@ from typing import Any
 
 import torch
 
+from ampgraph.runtime.tensors import empty_as, storage_refs
+
 _Spec = tuple[torch.dtype, "torch.memory_format | None"]
-
-
-def _storage_refs(t: torch.Tensor) -> int:
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
 
 class MasterCopies:
@@ -60,9 +58,9 @@ class MasterCopies:
                                                    None, None]
                 copy = entry[1]
                 if entry[2] != key:
-                    if copy is None or _storage_refs(copy) > 1 or copy.shape != p.shape \
+                    if copy is None or storage_refs(copy) > 1 or copy.shape != p.shape \
                             or copy.device != p.device:  # saved by a live graph: a new one
-                        copy = entry[1] = _empty(p, dtype, fmt)
+                        copy = entry[1] = empty_as(p, dtype, fmt)
                     entry[2] = key
                     stale.append((copy, p.detach()))
                 copies.append(copy)
@@ -151,12 +149,3 @@ class _GroupCast(torch.autograd.Function):
         for i, g in zip(wanted, full):
             out[i] = g
         return None, *out
-
-
-def _empty(p: torch.Tensor, dtype: torch.dtype, memory_format: torch.memory_format | None
-           ) -> torch.Tensor:
-    """An empty ``dtype`` tensor shaped as ``p``, in ``memory_format`` or, without one, with
-    ``p``'s strides."""
-    if memory_format is None:
-        return torch.empty_strided(p.shape, p.stride(), dtype=dtype, device=p.device)
-    return torch.empty(p.shape, dtype=dtype, device=p.device, memory_format=memory_format)
