@@ -7,6 +7,8 @@ Run on demand (never as a timed test):
     python benchmarks/real_models.py --device cuda        # when a GPU is lent
     python benchmarks/real_models.py --smoke              # tiny configs: harness check
     python benchmarks/real_models.py --device cuda --suite gpu   # the GPU suite (gpu_suite.py)
+    python benchmarks/real_models.py --suite cnn                 # modern CNNs, batch 8 x 128 px
+    python benchmarks/real_models.py --suite cnn --processes 0   # ... all modes in one process
 
 The models are built as their libraries build them, from default configs (unless stated)
 with random weights; nothing is downloaded:
@@ -18,6 +20,11 @@ with random weights; nothing is downloaded:
 - bert: HF ``BertForSequenceClassification(BertConfig())`` (BERT-base, dropout 0.1); 8 x 128;
 - gpt2: HF ``GPT2LMHeadModel(GPT2Config())`` (GPT-2 small, dropout 0.1); 4 x 128;
 - llama: HF ``LlamaForCausalLM``, 4 layers, d=512, 8 heads, vocab 32000; 4 x 128.
+
+``--suite cnn`` trains convolutional networks at the size a CPU user trains them, batch 8 x
+128 px: ``convnext`` (HF ``ConvNextForImageClassification(ConvNextConfig())``, ConvNeXt-T:
+7x7 depthwise convolutions, LayerNorm over channels, GELU MLPs) and ``resnet50`` (as above,
+at batch 8).
 
 Each model is trained the way a user would: their own loop, cross-entropy on the logits,
 ``torch.optim.AdamW``. Each mode runs in processes of its own (``--processes``, 2 by
@@ -56,6 +63,7 @@ sys.path[:0] = [HERE, os.path.join(HERE, "..")]
 from perf import Mode, peak_live_tensors_mib, sync, time_interleaved  # noqa: E402
 
 MODELS = ("resnet50", "vit", "bert", "gpt2", "llama")
+CNN_MODELS = ("convnext", "resnet50")
 MODES = ("fp32", "autocast", "O2", "O2-inductor")
 
 
@@ -67,17 +75,28 @@ def _torchvision() -> Any:
     return tvm
 
 
-def build(name: str, smoke: bool, device: str) -> tuple[nn.Module, dict, Callable, str]:
-    """(model, inputs as keywords, loss(out, labels), what was built)."""
+def build(name: str, smoke: bool, device: str, batch: int | None = None
+          ) -> tuple[nn.Module, dict, Callable, str]:
+    """(model, inputs as keywords, loss(out, labels), what was built); ``batch`` overrides the
+    model's default batch size."""
     import transformers as tf
 
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     tvm = _torchvision()
-    if name in ("resnet50", "vit"):
+    if name == "convnext":
+        px = 32 if smoke else 128
+        config = tf.ConvNextConfig() if not smoke else tf.ConvNextConfig(
+            hidden_sizes=[8, 16, 32, 64], depths=[1, 1, 1, 1], num_labels=10)
+        model, source = tf.ConvNextForImageClassification(config), "HF ConvNeXt-T"
+        batch = batch or (2 if smoke else 8)
+        inputs = {"pixel_values": torch.randn(batch, 3, px, px, generator=g)}
+        labels = torch.randint(0, model.config.num_labels, (batch,), generator=g)
+    elif name in ("resnet50", "vit"):
         vit = name == "vit"
-        batch, px, classes = (2, 32 if not vit else 32, 10) if smoke else (
+        default, px, classes = (2, 32 if not vit else 32, 10) if smoke else (
             8 if vit else 16, 224 if vit else 128, 1000)
+        batch = batch or default
         if tvm is not None and not smoke:
             model = tvm.vit_b_16() if vit else tvm.resnet50()
             source = "torchvision " + ("vit_b_16()" if vit else "resnet50()")
@@ -148,7 +167,8 @@ class ModeProcess:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(target=_mode_worker, daemon=True, args=(
-            child, name, mode, args.smoke, args.device, args.dtype, torch.get_num_threads()))
+            child, name, mode, args.smoke, args.device, args.dtype, torch.get_num_threads(),
+            args.batch))
         self._proc.start()  # builds while the other modes' processes start
 
     def ready(self) -> str:
@@ -206,11 +226,40 @@ class ModeProcesses:
             proc.close()
 
 
+class InProcess:
+    """A mode run in this process beside the others (``--processes 0``): what a user
+    comparing autocast and ampgraph in one script sees, the C allocator's heap shared."""
+
+    def __init__(self, mode: Mode, source: str):
+        self.mode, self.name, self.device, self.source = mode, mode.name, mode.device, source
+
+    def ready(self) -> str:
+        return self.source
+
+    def train_step(self) -> None:
+        self.mode.train_step()
+
+    def infer(self) -> None:
+        self.mode.infer()
+
+    def close(self) -> None:
+        pass
+
+
+def in_process(name: str, modes: list[str], args: argparse.Namespace) -> list[InProcess]:
+    runs = []
+    for mode in modes:
+        model, inputs, loss, source = build(name, args.smoke, args.device, args.batch)
+        runs.append(InProcess(user_mode(mode, model, inputs, loss, args.low, args.device),
+                              source))
+    return runs
+
+
 def _mode_worker(conn: Any, name: str, mode: str, smoke: bool, device: str, dtype: str,
-                 threads: int) -> None:
+                 threads: int, batch: int | None) -> None:
     torch.set_num_threads(threads)
     try:
-        model, inputs, loss, source = build(name, smoke, device)
+        model, inputs, loss, source = build(name, smoke, device, batch)
         low = torch.bfloat16 if dtype == "bf16" else torch.float16
         m = user_mode(mode, model, inputs, loss, low, device)
         del model
@@ -232,7 +281,7 @@ def _mode_worker(conn: Any, name: str, mode: str, smoke: bool, device: str, dtyp
 
 def peak_memory(args: argparse.Namespace, name: str, mode: str) -> float | None:
     if args.device == "cuda":
-        model, inputs, loss, _ = build(name, args.smoke, "cuda")
+        model, inputs, loss, _ = build(name, args.smoke, "cuda", args.batch)
         m = user_mode(mode, model, inputs, loss, args.low, "cuda")
         m.train_step()
         torch.cuda.synchronize()
@@ -242,7 +291,8 @@ def peak_memory(args: argparse.Namespace, name: str, mode: str) -> float | None:
         torch.cuda.synchronize()
         return (torch.cuda.max_memory_allocated() - base) / 2**20
     cmd = [sys.executable, os.path.abspath(__file__), "--memory-probe", f"{name}:{mode}",
-           "--dtype", args.dtype] + (["--smoke"] if args.smoke else [])
+           "--dtype", args.dtype] + (["--smoke"] if args.smoke else []) + (
+               ["--batch", str(args.batch)] if args.batch else [])
     out = subprocess.run(cmd, capture_output=True, text=True)
     try:
         return float(out.stdout.strip().splitlines()[-1])
@@ -255,7 +305,7 @@ def memory_probe(args: argparse.Namespace) -> None:
     """Peak live tensors of training steps above a baseline with the optimizer state
     allocated and no gradients (``perf.memory_probe`` explains the measure)."""
     name, mode = args.memory_probe.split(":")
-    model, inputs, loss, _ = build(name, args.smoke, "cpu")
+    model, inputs, loss, _ = build(name, args.smoke, "cpu", args.batch)
     m = user_mode(mode, model, inputs, loss, args.low, "cpu")
     for p in m.model.parameters():
         p.grad = torch.zeros_like(p)
@@ -273,13 +323,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2, help="warm-up steps per process")
     p.add_argument("--processes", type=int, default=2,
-                   help="processes per mode, stepped in turn (see ModeProcesses)")
+                   help="processes per mode, stepped in turn (see ModeProcesses); 0: every "
+                        "mode in this process, as a user comparing them in one script would")
+    p.add_argument("--batch", type=int, help="batch size (default: each model's own)")
     p.add_argument("--no-memory", action="store_true")
     p.add_argument("--smoke", action="store_true", help="tiny configs, 1 step: harness check")
     p.add_argument("--json", default="bench_results/real_models.json")
     p.add_argument("--memory-probe", help=argparse.SUPPRESS)
-    p.add_argument("--suite", default="cpu", choices=["cpu", "gpu"],
-                   help="gpu: GPU sizes, every mode in one process (benchmarks/gpu_suite.py)")
+    p.add_argument("--suite", default="cpu", choices=["cpu", "gpu", "cnn"],
+                   help="gpu: GPU sizes, every mode in one process (benchmarks/gpu_suite.py); "
+                        "cnn: ConvNeXt-T and ResNet-50 at batch 8 x 128 px")
     args = p.parse_args(argv)
     if args.suite == "gpu":
         import gpu_suite
@@ -295,13 +348,19 @@ def main(argv: list[str] | None = None) -> int:
         gpu_suite.run(args)
         return 0
     args.low = torch.bfloat16 if args.dtype == "bf16" else torch.float16
-    if args.processes < 1:
-        p.error("--processes must be at least 1")
+    if args.processes < 0:
+        p.error("--processes must be 0 (this process) or more")
+    if args.suite == "cnn":
+        if args.models == ",".join(MODELS):
+            args.models = ",".join(CNN_MODELS)
+        if args.modes == ",".join(MODES):
+            args.modes = "autocast,O2"
+        args.batch = args.batch or 8
     if args.memory_probe:
         memory_probe(args)
         return 0
     if args.smoke:
-        args.steps, args.warmup, args.processes = 1, 1, 1
+        args.steps, args.warmup, args.processes = 1, 1, min(args.processes, 1)
     modes = args.modes.split(",")
     results: dict[str, Any] = {
         "machine": {"platform": platform.platform(), "threads": torch.get_num_threads(),
@@ -309,11 +368,12 @@ def main(argv: list[str] | None = None) -> int:
                     "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu"},
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "command": " ".join(["benchmarks/real_models.py"] + (argv or sys.argv[1:])),
-        "dtype": args.dtype, "models": {},
+        "dtype": args.dtype, "batch": args.batch, "processes": args.processes, "models": {},
     }
     for name in args.models.split(","):
-        runs = [ModeProcesses(name, m, args) for m in modes]
-        warmup = args.warmup * args.processes  # every process warms up
+        runs = in_process(name, modes, args) if args.processes == 0 else [
+            ModeProcesses(name, m, args) for m in modes]
+        warmup = args.warmup * max(args.processes, 1)  # every process warms up
         entry = {"source": [run.ready() for run in runs][0],
                  "train": time_interleaved(runs, "train", args.steps, warmup),
                  "infer": time_interleaved(runs, "infer", args.steps, warmup)}

@@ -57,6 +57,21 @@ def test_real_models_harness_smoke_mode(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("processes", ["0", "1"])
+def test_cnn_suite_smoke_in_one_process_and_in_processes_of_their_own(tmp_path, processes):
+    out = tmp_path / "cnn.json"
+    proc = run("benchmarks/real_models.py", "--suite", "cnn", "--smoke", "--no-memory",
+               "--processes", processes, "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert data["batch"] == 8 and data["processes"] == int(processes)
+    assert set(data["models"]) == {"convnext", "resnet50"}
+    for entry in data["models"].values():
+        assert set(entry["train"]) == set(entry["infer"]) == {"autocast", "O2"}
+    assert "ConvNeXt" in data["models"]["convnext"]["source"]
+
+
+@pytest.mark.slow
 def test_gpu_suite_smoke_on_the_cpu_writes_a_line_per_measurement(tmp_path):
     """``--device cuda --suite gpu`` with the device swapped for the CPU and tiny configs:
     every mode of every model measured, and written line by line."""

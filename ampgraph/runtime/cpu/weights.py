@@ -118,8 +118,8 @@ class _Linear(torch.autograd.Function):
             if in_blocks:  # wl is the fp32 master
                 gx = blocked.grad_input(grad2, wl, ctx.cache._pooled).view(
                     *grad.shape[:-1], -1)
-            else:
-                gx = grad.matmul(wl)
+            else:  # on the 2-D view: matmul would expand wl per batch for a strided grad
+                gx = torch.mm(grad2, wl).view(*grad.shape[:-1], -1)
         if need_w:
             out = None if graph else ctx.cache.kept_grad(ctx.w_ref)
             if in_blocks:

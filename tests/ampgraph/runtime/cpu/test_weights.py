@@ -460,3 +460,44 @@ def test_small_weights_train_on_aten_s_ops_with_no_python_in_backward(small, mon
     # fc2's weight, shared by two linears, is cast once by the cache's cast
     assert found == (set() if small else {"_EmbeddingBackward", "_LinearBackward",
                                           "_CastIntoBackward"})
+
+
+class ChannelsMlp(nn.Module):
+    """ConvNeXt's block shape: a linear over the channels of an NCHW map permuted to NHWC,
+    permuted back, so the linear's output gradient arrives strided."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+def test_a_strided_output_gradient_takes_one_product_not_a_weight_expanded_per_row(monkeypatch):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.add(func)
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(weights, "KEPT_COPY_BYTES", 0)  # the fused linear, whole copy
+    torch.manual_seed(0)
+    x = torch.randn(2, 8, 3, 5)
+    fused, cache, plain = fused_and_plain(ChannelsMlp(), x)
+    assert any(n.target == cache.amp_linear for n in fused.graph.nodes)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out = fused(xa)
+    grad = torch.randn(out.shape[::-1]).permute(3, 2, 1, 0)  # strided, as a permute's
+    with Ops() as ops:
+        out.backward(grad)
+    plain(xb).backward(grad)
+    assert torch.ops.aten.bmm.default not in ops.seen
+    torch.testing.assert_close(xa.grad, xb.grad)
+    for p, q in zip(fused.parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
