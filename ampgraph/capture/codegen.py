@@ -3,9 +3,8 @@
 FX writes each aten call as ``torch.ops.aten.add.Tensor(x, y)``: four attribute reads and
 ``OpOverload.__call__``, a Python frame whose boxed call parses the arguments against the
 schema. The model's own code called ``torch.add`` instead, the binding torch generates
-from the same schema, which parses in C++. On the zoo's 2-layer HF LLaMA (~180 aten calls
-per forward) the difference was 0.13 of a 1.59 ms inference call, more than what separated
-O2 from autocast there.
+from the same schema, which parses in C++: on small models the difference decides the
+ratio to autocast (docs/performance.md#graph-overhead-on-small-models).
 
 - :func:`direct_runner` is the forward that ``AmpModule`` calls: the graph's code generated
   again with each aten overload that has a generated binding called through it (a global
@@ -165,7 +164,7 @@ def shortcut_attribute_paths(gm: fx.GraphModule) -> None:
     """Put each submodule on a parameter's or buffer's path into its parent's instance
     dict, so the generated ``getattr(self.model.layers, "0").self_attn.q_proj.weight``
     reads plain attributes instead of calling ``nn.Module.__getattr__`` at every step
-    (3.4 us a read on a 2-layer HF LLaMA, 26 reads a call). ``nn.Module.__setattr__``
+    (docs/performance.md#graph-overhead-on-small-models). ``nn.Module.__setattr__``
     replaces such an entry with the module it registers; ``add_module`` does not: call
     this again after changing submodules that way (:func:`direct_runner` does, which
     ``AmpModule.add_graph_transform`` calls). Parameters and buffers are still read

@@ -187,7 +187,8 @@ class Captured:
     def _guards_pass(self, leaves: list[Any], tensors: list[torch.Tensor]) -> bool:
         """Whether export's guards hold for these inputs, remembered per input shapes
         (non-tensor inputs are part of the graph's signature): they depend on nothing else,
-        and a model of windows and patches (Swin) has hundreds, 1.6 ms a call."""
+        and a model of windows and patches (Swin) has hundreds
+        (docs/performance.md#graph-overhead-on-small-models)."""
         shapes = tuple(t.shape for t in tensors)
         if shapes in self._guarded:
             return True
@@ -214,7 +215,7 @@ def export_module(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
                                  strict=False)
     gm = ep.module()
     # The unlifted module checks its inputs' structure and shapes in a forward pre-hook
-    # (~0.1 ms a call, 40% of a small model's step). AmpModule already keys graphs on the
+    # (docs/performance.md#graph-overhead-on-small-models). AmpModule already keys graphs on the
     # input structure (`signature`) and checks shapes (`Captured.accepts`); the graph's
     # own guard function still runs inside forward.
     gm.validate_inputs = False

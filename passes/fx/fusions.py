@@ -254,9 +254,8 @@ def group_kv_heads(gm: fx.GraphModule) -> PassResult:
     .reshape(b, h * n, s, d)``; a captured HF model passes its mask, and HF repeats the
     heads whenever there is one). The outputs are the same (query head ``i`` reads key head
     ``i // n`` either way; the key and value gradients are summed over each group before
-    their one rounding, not after), but the repeated keys and values are never copied: forward and
-    backward of a 4x8x128x64 attention on 2 key heads, bf16, 2 threads, 6.5 -> 5.4 ms; of a
-    LLaMA-3-like 4x32x128x64 on 8, 29.3 -> 23.2. The pipeline runs it only for a runtime that
+    their one rounding, not after), but the repeated keys and values are never copied
+    (docs/performance.md#grouped-query-attention). The pipeline runs it only for a runtime that
     asks for it (``RuntimeOps.unrepeated_kv_heads``: CUDA's kernels run a masked grouped
     attention on the math path). (The runtime's unfused kernel repeats the
     heads itself: ``ampgraph.runtime.cpu.attention``.)

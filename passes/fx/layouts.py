@@ -5,8 +5,8 @@ leading dimensions cannot be folded into one by a view (a transposed, sequence-f
 activation such as torchvision ViT's attention in-projection) and no operand requires grad
 (inference), matmul expands the weight over the leading dimension and calls ``bmm``. In
 fp32 that batched product reads the expanded weight in place; the bf16 CPU kernel copies it
-once per leading index (ViT-B/16 inference: 70% of the time in ``copy_``, 8x slower than
-torch.autocast, whose weight cast happens to take the folding path). A contiguous input folds
+once per leading index (docs/performance.md#contiguous-linear-inputs; torch.autocast's
+weight cast happens to take the folding path). A contiguous input folds
 by a view into one ``mm``/``addmm``: the cost is one activation-sized copy, the same copy
 matmul makes when it folds.
 

@@ -2,7 +2,8 @@
 
 Protobuf moves every byte of a message it copies or serializes: ``CopyFrom`` of a
 BERT-base model copies its 440 MB of weights and ``onnx.checker.check_model`` serializes
-them, 0.2-2 s each. Neither shape inference nor the checker reads weight values, and the
+them (docs/performance.md#onnx-conversion-speed). Neither shape inference nor the checker
+reads weight values, and the
 pass reads each weight once to convert it, so large initializers of the main graph
 (more than 4 KiB in ``raw_data``, nothing in the other value fields) are left out:
 

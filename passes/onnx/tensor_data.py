@@ -2,7 +2,8 @@
 
 Reading ``TensorProto.raw_data`` copies the bytes (protobuf hands out a new ``bytes``),
 and so does every ``onnx.checker`` call or ``SerializeToString`` on a model with weights.
-On a BERT-base graph (440 MB of weights) each such sweep costs 0.1-2 s, so the pass
+Each such sweep costs more than the whole conversion
+(docs/performance.md#onnx-conversion-speed), so the pass
 takes sizes from ``dims`` and the dtype, reads a large tensor once per use, and converts
 it with one cast straight from its bytes (``cast_bulk``; torch's kernel for fp16 when
 torch is loaded, numpy's otherwise), falling back to the exact, slower path of

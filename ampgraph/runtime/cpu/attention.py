@@ -1,9 +1,8 @@
 """Attention for low-precision graphs on the CPU: matmul, fp32 softmax, matmul.
 
 PyTorch runs every CPU ``scaled_dot_product_attention`` through its fused flash kernel,
-whose backward is slow on short sequences on our CPUs: 12.6 ms against 1.5 ms unfused at
-16 x 8 heads x 64 tokens x 64 measured alone (bf16, 2 threads); ~9 ms per layer inside a
-BERT-style training step, a quarter of the step. The fused kernel's advantages are memory
+whose backward is slow on short sequences (docs/performance.md#unfused-chunked-attention).
+The fused kernel's advantages are memory
 and long rows: with up to four times as many keys as the head dimension, and at most 256,
 the probabilities the unfused backward keeps take at most four times the bytes of the output
 the fused kernel keeps, and the unfused kernels are faster (see :func:`_short`): they run
@@ -18,7 +17,7 @@ attention matmuls then run in fp32, at a fifth of bf16's speed, and the fp32 pro
 and dropout noise are kept for backward. Those calls always run unfused here, with
 low-precision matmuls and aten's dropout but for its draw: the mask, of the probabilities'
 shape, comes from the default generator through ``dropout.keep_mask`` (the same keep
-probability, reproducible under a seed, 2.5x faster than aten's ``bernoulli_``), and the
+probability, reproducible under a seed, faster than aten's ``bernoulli_``), and the
 kept probabilities are scaled by ``1 / (1 - p)``. Backward keeps the bf16 probabilities
 and the bf16 dropped ones that ``v`` was multiplied by (4 bytes per score instead of
 aten's 8), so no mask is converted again: its derivative comes through the latter.
@@ -107,11 +106,8 @@ def _repeat_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def _short(keys: int, head_dim: int) -> bool:
-    """Rows short enough that unfused training beats the CPU flash kernel (forward and
-    backward, bf16, 2 threads, batch x heads x keys/head dim; ms fused / unfused):
-    8x12x128/32 15.9 / 8.0, 8x12x128/64 16.1 / 5.4, 8x12x197/64 (ViT-B/16) 21.5 / 14.0,
-    4x12x256/64 11.1 / 10.0, 4x8x256/128 13.7 / 8.1; but 8x8x320/80 23.1 / 25.4,
-    4x12x384/64 19.3 / 24.6 and 2x12x512/64 15.7 / 18.2. At most four times the head
+    """Rows short enough that unfused training beats the CPU flash kernel
+    (docs/performance.md#unfused-chunked-attention). At most four times the head
     dimension, so the kept probabilities take at most four times the bytes of the output
     the fused kernel keeps."""
     return keys <= min(4 * head_dim, MAX_UNFUSED_KEYS)
@@ -121,13 +117,9 @@ MAX_UNFUSED_KEYS = 256
 
 
 def _many_scores(q: torch.Tensor, k: torch.Tensor, dropout_p: float) -> bool:
-    """Enough scores for the unfused kernels' fixed costs to pay: six bf16 matmuls of ~20
-    us each however small (oneDNN's, on our CPUs) and the op's dispatch, ~0.4 ms a training
-    call in all. Forward and backward, bf16, 2 threads, batch x heads x queries x keys/head
-    dim, us aten / unfused: without dropout 2x2x12x12/16 (a tiny HF model) 76 / 389,
-    2x2x64x64/64 421 / 543, 2x4x64x64/16 728 / 578, 4x4x64x64/32 1362 / 715; aten's math
-    path with dropout 0.1 is faster up to twice as many: 2x4x64x64/16 527 / 824,
-    1x8x64x64/64 845 / 907, 4x4x64x64/32 1059 / 998, 8x8x64x64/64 3884 / 2449."""
+    """Enough scores for the unfused kernels' fixed costs (six bf16 matmuls and the op's
+    dispatch) to pay; with dropout, twice as many
+    (docs/performance.md#unfused-chunked-attention)."""
     scores = q.numel() // max(1, q.shape[-1]) * k.shape[-2]
     return scores >= MIN_UNFUSED_SCORES * (2 if dropout_p > 0 else 1)
 
@@ -175,10 +167,7 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 
 # Scores are made, and their softmax and its derivative taken, a chunk of heads at a time,
 # about this many bytes of fp32 scores each: the chunk's passes over them stay in the
-# cache. ViT-B/16's attention (8 x 12 heads x 197 keys x 64), forward and backward as
-# plain ops, took 17.2 ms over all 96 heads at once, 12.9 in chunks of 32, 11.9 of 16
-# (2.4 MB), 12.7 of 8; through this op, in chunks of one batch entry (12 heads, 1.9 MB),
-# 14.0 ms against 25.1 unchunked and 21.5 for the CPU flash kernel.
+# cache (docs/performance.md#unfused-chunked-attention).
 CHUNK_BYTES = 2 << 20
 
 

@@ -35,8 +35,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, pooled: Poo
 def grad_input(grad: torch.Tensor, w: torch.Tensor, pooled: Pooled) -> torch.Tensor:
     """``grad @ w.to(grad.dtype)`` casting ``w`` a block of columns at a time."""
     out = torch.empty(grad.shape[0], w.shape[1], dtype=grad.dtype, device=grad.device)
-    # each block is one pass over grad: a quarter of the columns at least (GPT-2's
-    # 50257x768 head in 20-column blocks took 141 ms, in 166-column ones 58)
+    # each block is one pass over grad: a quarter of the columns at least
+    # (docs/performance.md#blocked-products)
     wide = max(SCRATCH_NUMEL, -(-w.numel() // 4))
     for c, n, block in _cast_blocks(w, 1, grad.dtype, pooled, wide):
         torch.mm(grad, block, out=out[:, c:c + n])

@@ -1,9 +1,9 @@
 """Dropout on the CPU with a faster draw of its mask.
 
-aten's CPU dropout draws its mask with ``bernoulli_``, about 5 ns an element on our CPUs:
-~200 ms of a BERT-base training step (8 x 128 tokens, dropout 0.1), in every mode. The
+aten's CPU dropout draws its mask with ``bernoulli_``, slower than
+``random_`` draws integers (docs/performance.md#dropout-draw). The
 mask here is drawn as 31-bit uniform integers from the same default generator
-(``random_``, ~1.6 ns an element) kept where they fall below ``(1 - p) * 2**31`` rounded: the same
+(``random_``) kept where they fall below ``(1 - p) * 2**31`` rounded: the same
 keep probability to 2**-31, reproducible under ``torch.manual_seed`` as aten's, but not
 aten's positions. Everything else is aten's ``dropout``: the kept values are multiplied by
 ``1 / (1 - p)`` computed in the input's dtype, and the product saves that noise for

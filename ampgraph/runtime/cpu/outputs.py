@@ -1,10 +1,9 @@
 """Buffers kept for a compiled module's large fp32 outputs.
 
 With ``keep_io_types`` (the default) the rewritten graph casts its low-precision outputs
-back to fp32. A language model's logits are the largest tensor of a call (LLaMA-style 4 x
-128 tokens x 32000: 65 MB in fp32), and a fresh tensor of 32 MiB or more is mmapped by
-glibc and faults every page in, on every call: 16K faults, about a fifth of an O2
-LLaMA-style inference call on our CPUs; GPT-2's 103 MB took ~100 ms of a training step.
+back to fp32. A language model's logits are the largest tensor of a call, and a fresh tensor
+of 32 MiB or more is mmapped by glibc and faults every page in, on every call
+(docs/performance.md#kept-buffers).
 :meth:`OutputBuffers.cast` converts such an output into a buffer kept from an earlier call
 once nothing outside the cache holds it any more, the way a serving runtime binds its
 output buffers. Two are kept per output, so that ``out = net(x)`` in a loop, which still

@@ -3,13 +3,9 @@
 aten's CPU ``linear`` in bf16 or fp16 reorders the weight into oneDNN's blocked layout on
 every call. An inference working copy lives until its master changes, so the weight cache
 keeps it in that layout instead (what inductor's weight freezing does on the CPU) and calls
-oneDNN's linear on it. The products are oneDNN's, as aten's (on our Xeon equal to aten's
-bit for bit on contiguous inputs; the tests allow the dtype's rounding).
-``benchmarks/packed_linear.py`` on the 2-core Xeon (bf16, 2 threads; aten's linear on a
-cast weight against ``WeightCache.amp_linear``): 256x256 @ 256x256 65 -> 48 us, 4x768 @
-768x3072 (a decoding step) 211 -> 164 us, 1024x768 @ 768x3072 2.18 -> 1.75 ms, 256x4096 @
-4096x4096 5.14 -> 4.87 ms; tiny products gain about what the cache lookup costs (8x64 @
-64x128: 25.7 -> 25.0 us).
+oneDNN's linear on it. The products are oneDNN's, as aten's (equal to aten's bit for bit on
+contiguous inputs where measured; the tests allow the dtype's rounding). Faster than aten's
+at every size measured (docs/performance.md#packed-inference-weights).
 
 Only where oneDNN runs the dtype (``_is_mkldnn_bf16_supported`` / ``_fp16``), oneDNN is
 enabled, and on plain CPU tensors with no derivative to record (see :func:`usable`):

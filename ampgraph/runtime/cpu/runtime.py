@@ -8,7 +8,7 @@
   (``dropout.py``), large outputs cast back into kept buffers (``outputs.py``);
 - attention on unrepeated grouped key/value heads.
 
-The measured trade-off behind each: docs/performance.md, "Runtime choices".
+The measured trade-off behind each: docs/performance.md#runtime-choices.
 """
 
 from __future__ import annotations

@@ -21,8 +21,8 @@ backward (``blocked.py``), so no whole low-precision copy of it exists. The grad
 weight of ``KEPT_GRAD_NUMEL`` elements or more goes into a buffer kept between steps while
 the last gradient lives through forward anyway (zero_grad after forward), unless other
 nodes use the weight too (tied embeddings); other gradients are fresh tensors, as
-autograd's own (measured with benchmarks/real_models.py and benchmarks/perf.py:
-docs/performance.md). A weight or table too small for any of this trains as autocast's
+autograd's own (docs/performance.md#kept-buffers). A weight or table too small for any of
+this trains as autocast's
 (a cast, aten's linear or embedding): autograd's own backward, with no Python in it.
 
 Weights changed through ``.data`` bypass version counters: call
@@ -175,7 +175,7 @@ def _small(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether a training linear on ``w`` runs as autocast's does, a fresh cast of the
     weight and aten's linear, with autograd's own backward: its copy is not kept (below
     ``KEPT_COPY_BYTES``), nor its gradient, nor is it blocked, so :class:`_Linear` would add
-    only its Python (on a 3-linear MLP of width 128, 130 of a step's 610 us)."""
+    only its Python (docs/performance.md#weight-casts-at-first-use)."""
     return (w.numel() * x.dtype.itemsize < KEPT_COPY_BYTES and w.numel() < KEPT_GRAD_NUMEL
             and not _blockable(x, w, x.requires_grad))
 
@@ -197,18 +197,11 @@ def _blockable(x: torch.Tensor, w: torch.Tensor, need_x: bool) -> bool:
 # Weights of BLOCKED_NUMEL elements or more are cast, and their gradients computed, in
 # blocks: no whole low-precision copy of them exists (a 7B model's 32000x4096 head: 262 MB).
 # Below it one whole product is faster, and its working copy costs no more than autocast's
-# cast, which autocast keeps from forward until backward: the reference MLP's 4096x4096
-# layer blocked ran 1.41x the all-bf16 floor, whole 1.2x; GPT-2's 50257x768 head whole
-# trained GPT-2 small ~4% faster than blocked, at a peak of 1411 MiB instead of 1358
-# (autocast's: 1497).
+# cast, which autocast keeps from forward until backward (docs/performance.md#blocked-products).
 BLOCKED_NUMEL = 1 << 26
 # A fresh gradient of 32 MiB or more (glibc's largest mmap threshold) is mmapped, and its
-# pages fault in, every step; converting into a kept buffer was 2.5x faster than a fresh
-# .to(). Keeping the 32000x512 head's gradient took LLaMA-style training from 0.93x to
-# 1.09-1.27x autocast, at the same peak. From 16 MiB a fresh one faults often enough too:
-# keeping the reference MLP's two 4096x1024 gradients took its O2 step from 1.24x the
-# all-bf16 floor to 1.12x, with no fault left (its peak stays below autocast's once its
-# first layer keeps no working copy: see _blockable).
+# pages fault in, every step; from 16 MiB often enough too: kept buffers pay from there
+# (docs/performance.md#kept-buffers).
 KEPT_GRAD_NUMEL = 1 << 22
 KEPT_COPY_BYTES = 128 << 10  # glibc's default (smallest) mmap threshold
 MAX_SCRATCH = 4  # pooled scratches per shape (threads running backward at once)

@@ -1,5 +1,5 @@
 """CudaRuntime: a GPU step is launch-bound at real sizes, so the runtime adds as few
-kernels and as little host time per weight as it can.
+kernels and as little host time per weight as it can (docs/performance.md#cuda-weight-groups).
 
 Parameter casts come in groups of up to ``GROUP_NUMEL`` elements (``WeightGroup``): one
 multi-tensor refresh per group when the masters changed, one multi-tensor conversion of
@@ -24,7 +24,8 @@ from passes.fx.runtime_ops import RuntimeOps
 # A group's gradients are ready together, once backward has passed the group's first use:
 # 16M elements (64 MiB of fp32 masters, a few transformer blocks of BERT-base size) keeps
 # several groups per model, so data-parallel communication overlaps backward; a
-# multi-tensor kernel handles about that much per launch anyway.
+# multi-tensor kernel handles about that much per launch anyway
+# (docs/performance.md#cuda-group-size).
 GROUP_NUMEL = 1 << 24
 
 
