@@ -19,8 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import onnx
+import torch
 from onnx import ModelProto
+from torch.utils import _pytree as pytree
 
+from ampgraph.capture.hf_caches import register_hf_caches
 from ampgraph.onnx.convert import convert_onnx
 from passes.onnx import io as pio
 
@@ -36,6 +39,9 @@ def export_onnx(
     keep_io_types: bool = True,
     dynamic_batch: bool = True,
     dynamic_sequence: bool = True,
+    dynamic_axes: Mapping[str, Mapping[int, str]] | None = None,
+    exporter: str = "auto",
+    check: bool = True,
     opset: int | None = None,
     **convert_kwargs: Any,
 ) -> ModelProto:
@@ -43,7 +49,11 @@ def export_onnx(
 
     The dynamo exporter runs first. When it fails, the TorchScript exporter
     (``dynamo=False``) is tried and a :class:`UserWarning` says so and why; when both fail,
-    the error names both causes.
+    the error names both causes. Outputs holding HuggingFace cache objects are exported as
+    their tensors (dynamo: through their pytree registration; TorchScript: as flattened
+    outputs named by their path, e.g. ``past_key_values.0.1``). The converted model is then
+    run once on the example inputs with onnxruntime (CPU), so a model that does not run
+    fails here, not in the user's session.
 
     Args:
         model: the module (exported in eval mode; its mode is restored afterwards).
@@ -52,9 +62,14 @@ def export_onnx(
         amp_level, dtype, keep_io_types: as in :func:`convert_onnx`.
         kwargs: keyword example inputs, e.g. ``{"input_ids": ids, "attention_mask": mask}``
             (HuggingFace models); the ONNX inputs take their names.
-        dynamic_batch: keep dimension 0 of every tensor input dynamic.
+        dynamic_batch: keep dimension 0 of every tensor input dynamic (named ``batch``).
         dynamic_sequence: keep dimension 1 of 2-D integer and bool inputs (token ids,
-            attention masks) dynamic too.
+            attention masks) dynamic too, named per input (``<input>_sequence``), so that
+            inputs of different lengths (a seq2seq model's source and target) stay apart.
+        dynamic_axes: per-input axis names, ``{input: {dim: name}}``, replacing the
+            defaults above for the inputs it names (``{}`` for an input: all static).
+        exporter: ``"auto"`` (dynamo, then TorchScript), ``"dynamo"`` or ``"torchscript"``.
+        check: run the converted model on the example inputs (onnxruntime, CPU).
         opset: ONNX opset (None: the exporter's default).
         **convert_kwargs: passed to :func:`convert_onnx` (op_block_list, ...).
 
@@ -66,30 +81,58 @@ def export_onnx(
         >>> export_onnx(bert, (), "bert_fp16.onnx", kwargs={"input_ids": ids,
         ...                                                  "attention_mask": mask})
     """
+    if exporter not in EXPORTERS:
+        raise ValueError(f"exporter must be one of {EXPORTERS}, not {exporter!r}")
     args = args if isinstance(args, tuple) else (args,)
     kwargs = dict(kwargs or {})
-    axes = {name: _dynamic_axes(value, dynamic_batch, dynamic_sequence)
-            for name, value in _named_inputs(model, args, kwargs)}
+    named = _named_inputs(model, args, kwargs)
+    unknown = set(dynamic_axes or {}) - {name for name, _ in named}
+    if unknown:
+        raise ValueError(f"dynamic_axes names inputs the model does not take: "
+                         f"{sorted(unknown)} (inputs: {[name for name, _ in named]})")
+    axes = {name: _dynamic_axes(name, value, dynamic_batch, dynamic_sequence)
+            for name, value in named}
+    axes.update({name: dict(a) for name, a in (dynamic_axes or {}).items()})
     training = model.training
     model.eval()
     try:
-        proto, fp32_path, tmp = _export(model, args, kwargs, axes, opset)
+        proto, fp32_path, tmp = _export(model, args, kwargs, axes, opset, exporter)
     finally:
         model.train(training)
     try:
-        if fp32_path is not None:
-            return convert_onnx(fp32_path, amp_level, dtype, keep_io_types=keep_io_types,
-                                output_path=path, **convert_kwargs)
-        if dynamic_batch and any(d.dim_value for i in proto.graph.input
-                                 for d in i.type.tensor_type.shape.dim[:1]):
+        if fp32_path is None and dynamic_batch and any(
+                d.dim_value for i in proto.graph.input
+                for d in i.type.tensor_type.shape.dim[:1]):
             warnings.warn("torch.export specialised the batch dimension (an example batch "
                           "of 1, or a shape computed from it); use an example batch >= 2",
                           stacklevel=2)
-        return convert_onnx(proto, amp_level, dtype, keep_io_types=keep_io_types,
-                            output_path=path, **convert_kwargs)
+        converted = convert_onnx(proto if fp32_path is None else fp32_path, amp_level, dtype,
+                                 keep_io_types=keep_io_types, output_path=path,
+                                 **convert_kwargs)
     finally:
         if tmp is not None:
             tmp.cleanup()
+    if check:
+        _check_run(path, named)
+    return converted
+
+
+EXPORTERS = ("auto", "dynamo", "torchscript")
+
+
+def _check_run(path: str | os.PathLike, named: list[tuple[str, Any]]) -> None:
+    """Run the exported model once on the example inputs (onnxruntime on the CPU)."""
+    from ampgraph.onnx.session import feeds_for, session_for
+
+    inputs = {name: value.detach().cpu().numpy() for name, value in named
+              if isinstance(value, torch.Tensor)}
+    try:
+        session = session_for(str(path), "cpu")
+        session.run(None, feeds_for(session, inputs))
+    except Exception as exc:
+        raise RuntimeError(f"the exported model {os.fspath(path)!r} does not run on its "
+                           f"example inputs in onnxruntime: {_one_line(exc)} (pass "
+                           f"check=False to keep it anyway)") from exc
 
 
 def _named_inputs(model: Any, args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
@@ -104,55 +147,89 @@ def _named_inputs(model: Any, args: tuple, kwargs: dict) -> list[tuple[str, Any]
     return [*zip(names, args), *kwargs.items()]
 
 
-def _dynamic_axes(value: Any, batch: bool, sequence: bool) -> dict[int, str]:
-    import torch
-
+def _dynamic_axes(name: str, value: Any, batch: bool, sequence: bool) -> dict[int, str]:
     if not isinstance(value, torch.Tensor) or value.dim() == 0:
         return {}
     axes = {0: "batch"} if batch else {}
     if sequence and value.dim() == 2 and not value.dtype.is_floating_point:
-        axes[1] = "sequence"
+        axes[1] = f"{name}_sequence"
     return axes
 
 
-def _export(model: Any, args: tuple, kwargs: dict, axes: dict[str, dict[int, str]],
-            opset: int | None) -> tuple[ModelProto | None, Path | None, Any]:
-    """(proto, None, None), or (None, path, tempdir) for models kept with external data."""
-    import torch
+class _TensorOutputs(torch.nn.Module):
+    """``model(*args, **kwargs)`` called with the tensor inputs only, positionally, in the
+    order of ``_named_inputs`` (the rest bound here), its outputs flattened to tensors (HF
+    caches through their pytree registration): what the TorchScript exporter takes, which
+    takes no cache objects. ``names``: each output's path in the model's output
+    (``logits``, ``past_key_values.0.1``), known after the first call."""
 
-    shapes = torch.export.ShapesCollection()
-    for name, value in _named_inputs(model, args, kwargs):
-        if axes.get(name):
-            shapes[value] = {d: torch.export.Dim.AUTO for d in axes[name]}
+    def __init__(self, model: Any, args: tuple, kwargs: dict):
+        super().__init__()
+        self.model, self.names = model, None
+        self.args, self.kwargs = list(args), dict(kwargs)
+        self.slots = [("arg", i) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        self.slots += [("kw", k) for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+
+    def inputs(self) -> tuple:
+        return tuple(self.args[i] if kind == "arg" else self.kwargs[i]
+                     for kind, i in self.slots)
+
+    def forward(self, *tensors: torch.Tensor) -> tuple:
+        args, kwargs = list(self.args), dict(self.kwargs)
+        for (kind, i), t in zip(self.slots, tensors):
+            if kind == "arg":
+                args[i] = t
+            else:
+                kwargs[i] = t
+        leaves, _ = pytree.tree_flatten_with_path(self.model(*args, **kwargs))
+        if self.names is None:
+            self.names = [".".join(_key_name(k) for k in path) or "output"
+                          for path, _ in leaves]
+        return tuple(leaf for _, leaf in leaves)
+
+
+def _key_name(key: Any) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def _export(model: Any, args: tuple, kwargs: dict, axes: dict[str, dict[int, str]],
+            opset: int | None, exporter: str = "auto"
+            ) -> tuple[ModelProto | None, Path | None, Any]:
+    """(proto, None, None), or (None, path, tempdir) for models kept with external data."""
+    register_hf_caches()  # cache outputs (past_key_values) export as their tensors
     external = (sum(p.numel() * p.element_size() for p in model.parameters())
                 > pio.EXTERNAL_DATA_BYTES)
-    try:
-        with _quiet():
-            program = torch.onnx.export(
-                model, args, kwargs=kwargs or None, dynamo=True, opset_version=opset,
-                dynamic_shapes=shapes.dynamic_shapes(model, args, kwargs) if shapes else None,
-                verbose=False)
-        if not external:
-            return program.model_proto, None, None
-        tmp = tempfile.TemporaryDirectory()
-        fp32 = Path(tmp.name) / "fp32.onnx"
-        program.save(str(fp32), external_data=True)
-        return None, fp32, tmp
-    except Exception as dynamo_error:
-        first = _one_line(dynamo_error)
-    warnings.warn(f"torch.onnx's dynamo exporter failed ({first}); exported with the "
-                  "TorchScript exporter (dynamo=False) instead", UserWarning, stacklevel=3)
+    first = None
+    if exporter != "torchscript":
+        try:
+            return _export_dynamo(model, args, kwargs, axes, opset, external)
+        except Exception as dynamo_error:
+            if exporter == "dynamo":
+                raise
+            first = _one_line(dynamo_error)
+        warnings.warn(f"torch.onnx's dynamo exporter failed ({first}); exported with the "
+                      "TorchScript exporter (dynamo=False) instead", UserWarning, stacklevel=3)
     tmp = tempfile.TemporaryDirectory()
     fp32 = Path(tmp.name) / "fp32.onnx"
     names = [name for name, value in _named_inputs(model, args, kwargs)
              if isinstance(value, torch.Tensor)]
+    flat = _TensorOutputs(model, args, kwargs)
     try:
+        with torch.no_grad():
+            flat(*flat.inputs())  # the output names
         with _quiet():
-            torch.onnx.export(model, args, str(fp32), kwargs=kwargs or None, dynamo=False,
+            torch.onnx.export(flat, flat.inputs(), str(fp32), dynamo=False,
                               opset_version=opset or 17, input_names=names,
+                              output_names=flat.names,
                               dynamic_axes={n: a for n, a in axes.items() if a and n in names})
     except Exception as script_error:
         tmp.cleanup()
+        if first is None:
+            raise RuntimeError(f"torch.onnx's TorchScript exporter could not export the "
+                               f"model: {_one_line(script_error)}") from script_error
         raise RuntimeError(f"torch.onnx could not export the model: the dynamo exporter "
                            f"failed ({first}) and so did the TorchScript exporter "
                            f"({_one_line(script_error)})") from script_error
@@ -161,6 +238,26 @@ def _export(model: Any, args: tuple, kwargs: dict, axes: dict[str, dict[int, str
     proto = onnx.load(str(fp32))
     tmp.cleanup()
     return proto, None, None
+
+
+def _export_dynamo(model: Any, args: tuple, kwargs: dict, axes: dict[str, dict[int, str]],
+                   opset: int | None, external: bool
+                   ) -> tuple[ModelProto | None, Path | None, Any]:
+    shapes = torch.export.ShapesCollection()
+    for name, value in _named_inputs(model, args, kwargs):
+        if axes.get(name):
+            shapes[value] = {d: torch.export.Dim.AUTO for d in axes[name]}
+    with _quiet():
+        program = torch.onnx.export(
+            model, args, kwargs=kwargs or None, dynamo=True, opset_version=opset,
+            dynamic_shapes=shapes.dynamic_shapes(model, args, kwargs) if shapes else None,
+            verbose=False)
+    if not external:
+        return program.model_proto, None, None
+    tmp = tempfile.TemporaryDirectory()
+    fp32 = Path(tmp.name) / "fp32.onnx"
+    program.save(str(fp32), external_data=True)
+    return None, fp32, tmp
 
 
 def _one_line(exc: BaseException) -> str:

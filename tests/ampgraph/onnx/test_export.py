@@ -84,3 +84,63 @@ def test_both_exporters_failing_names_both_causes(tmp_path, monkeypatch):
             r"exporter \(RuntimeError: torchscript\)")):
         export_onnx(bert(), (), tmp_path / "m.onnx", kwargs=tokens(2, 8))
     assert not (tmp_path / "m.onnx").exists()
+
+
+def t5():
+    torch.manual_seed(0)
+    return transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=100, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_decoder_layers=1,
+        num_heads=4)).eval()
+
+
+def seq2seq(n: int, source: int, target: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(source * 100 + target)
+    return {"input_ids": torch.randint(1, 100, (n, source), generator=g),
+            "attention_mask": torch.ones(n, source, dtype=torch.long),
+            "decoder_input_ids": torch.randint(1, 100, (n, target), generator=g)}
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "auto"])
+def test_t5_with_source_and_target_of_other_lengths_through_the_fallback_exporter(
+        tmp_path, exporter):
+    """Source and target lengths are separate axes (one name per input), and the returned
+    cache (EncoderDecoderCache) exports as tensors, so the TorchScript exporter takes T5."""
+    model = t5()
+    path = tmp_path / "t5.onnx"
+    export_onnx(model, (), path, amp_level="O2", dtype="fp16", kwargs=seq2seq(2, 7, 5),
+                exporter=exporter)
+    session = onnx_session(str(path), device="cpu")
+    shapes = {i.name: i.shape for i in session.get_inputs()}
+    assert shapes["input_ids"][1] != shapes["decoder_input_ids"][1]
+    assert [o.name for o in session.get_outputs()][0] == "logits"
+    for source, target in [(9, 4), (3, 11)]:
+        inputs = seq2seq(2, source, target)
+        (got, *_) = session.run(None, {k: v.numpy() for k, v in inputs.items()})
+        with torch.no_grad():
+            ref = model(**inputs).logits.numpy()
+        assert got.shape == ref.shape and cosine(got, ref) >= 0.99
+
+
+def test_dynamic_axes_name_each_input_s_axes(tmp_path):
+    path = tmp_path / "model.onnx"
+    export_onnx(bert(), (), path, kwargs=tokens(2, 8), exporter="torchscript",
+                dynamic_axes={"input_ids": {0: "n", 1: "tokens"}, "attention_mask": {0: "n"}})
+    shapes = {i.name: i.shape for i in onnx_session(str(path), device="cpu").get_inputs()}
+    assert shapes == {"input_ids": ["n", "tokens"], "attention_mask": ["n", 8]}
+    with pytest.raises(ValueError, match=r"dynamic_axes names inputs the model does not take: "
+                                         r"\['input_idz'\]"):
+        export_onnx(bert(), (), path, kwargs=tokens(2, 8), dynamic_axes={"input_idz": {0: "n"}})
+
+
+def test_the_exported_model_is_run_once_on_its_example_inputs(tmp_path, monkeypatch):
+    import ampgraph.onnx.session as session_module
+
+    def broken(model, device):
+        raise RuntimeError("Got invalid dimensions (injected)")
+
+    monkeypatch.setattr(session_module, "session_for", broken)
+    with pytest.raises(RuntimeError, match=r"does not run on its example inputs in "
+                                           r"onnxruntime: RuntimeError: Got invalid"):
+        export_onnx(bert(), (), tmp_path / "m.onnx", kwargs=tokens(2, 8))
+    export_onnx(bert(), (), tmp_path / "m.onnx", kwargs=tokens(2, 8), check=False)
+    assert (tmp_path / "m.onnx").exists()
