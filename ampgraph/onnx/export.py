@@ -21,7 +21,8 @@ from typing import Any
 import onnx
 from onnx import ModelProto
 
-from ampgraph.onnx.convert import convert_onnx
+from ampgraph.config import AmpConfig
+from ampgraph.onnx.convert import convert_resolved
 from passes.onnx import io as pio
 
 
@@ -49,7 +50,8 @@ def export_onnx(
         model: the module (exported in eval mode; its mode is restored afterwards).
         args: positional example inputs (a tensor or a tuple; ``()`` when all are keywords).
         path: output .onnx file.
-        amp_level, dtype, keep_io_types: as in :func:`convert_onnx`.
+        amp_level, dtype, keep_io_types: as in :func:`convert_onnx` (a bad level or dtype
+            is refused before the export).
         kwargs: keyword example inputs, e.g. ``{"input_ids": ids, "attention_mask": mask}``
             (HuggingFace models); the ONNX inputs take their names.
         dynamic_batch: keep dimension 0 of every tensor input dynamic.
@@ -66,6 +68,7 @@ def export_onnx(
         >>> export_onnx(bert, (), "bert_fp16.onnx", kwargs={"input_ids": ids,
         ...                                                  "attention_mask": mask})
     """
+    config = AmpConfig(amp_level=amp_level, dtype=dtype).resolve(device=None)  # before export
     args = args if isinstance(args, tuple) else (args,)
     kwargs = dict(kwargs or {})
     axes = {name: _dynamic_axes(value, dynamic_batch, dynamic_sequence)
@@ -78,15 +81,15 @@ def export_onnx(
         model.train(training)
     try:
         if fp32_path is not None:
-            return convert_onnx(fp32_path, amp_level, dtype, keep_io_types=keep_io_types,
-                                output_path=path, **convert_kwargs)
+            return convert_resolved(fp32_path, config, keep_io_types=keep_io_types,
+                                    output_path=path, **convert_kwargs)
         if dynamic_batch and any(d.dim_value for i in proto.graph.input
                                  for d in i.type.tensor_type.shape.dim[:1]):
             warnings.warn("torch.export specialised the batch dimension (an example batch "
                           "of 1, or a shape computed from it); use an example batch >= 2",
                           stacklevel=2)
-        return convert_onnx(proto, amp_level, dtype, keep_io_types=keep_io_types,
-                            output_path=path, **convert_kwargs)
+        return convert_resolved(proto, config, keep_io_types=keep_io_types,
+                                output_path=path, **convert_kwargs)
     finally:
         if tmp is not None:
             tmp.cleanup()
