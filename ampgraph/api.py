@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampgraph.config import AmpConfig, model_device, resolve_dtype
+from ampgraph.config import AmpConfig, ResolvedConfig, model_device
 from ampgraph.module import AmpModule
 
 
@@ -66,11 +66,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         >>> net = ampgraph.compile(model, amp_level="O2", dtype="bf16")
         >>> logits = net(x)
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(
-            f"ampgraph.compile expects a torch.nn.Module, got {type(model).__name__}; "
-            "wrap a function in an nn.Module first"
-        )
+    _check_module(model)
     config = AmpConfig.create(
         amp_level=amp_level,
         dtype=dtype,
@@ -82,20 +78,43 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         backend=backend,
         runtime=runtime,
     )
-    low = torch.float32 if config.amp_level == "O0" else resolve_dtype(
-        config.dtype, model_device(model))
+    return compile_resolved(model, config.resolve(model_device(model)))
+
+
+def compile_resolved(model: nn.Module, config: ResolvedConfig) -> nn.Module:
+    """:func:`compile` with a configuration already resolved, for callers that resolve once
+    for several modules or for another device than the model's (the Lightning plugin
+    resolves on the Trainer's device and compiles each child with the result).
+
+    Raises:
+        TypeError, ValueError: as :func:`compile`.
+
+    Example:
+        >>> resolved = AmpConfig.create(dtype="bf16").resolve(torch.device("cpu"))
+        >>> net = compile_resolved(model, resolved)
+    """
+    _check_module(model)
     if isinstance(model, AmpModule):
-        same = dataclasses.replace(config, dtype=model.amp_config.dtype) == model.amp_config
-        if same and model.amp_dtype == low:  # "bf16", "bfloat16", torch.bfloat16, "auto" alike
+        done = model.amp_resolved
+        same = dataclasses.replace(config.config, dtype=done.config.dtype) == done.config
+        if same and done.dtype == config.dtype:  # "bf16", torch.bfloat16, "auto" alike
             return model
         raise ValueError(
-            f"this module was already compiled at {model.amp_config.amp_level} "
-            f"({model.amp_dtype}); compile the original module "
+            f"this module was already compiled at {done.level} "
+            f"({done.dtype}); compile the original module "
             "(net.original_module) instead of compiling twice"
         )
-    config.policy(low)  # raise on contradictory overrides now, not at the first call
+    config.policy()  # raise on contradictory overrides now, not at the first call
     _check_parameters(model)
-    return AmpModule(model, config, low)
+    return AmpModule(model, config)
+
+
+def _check_module(model: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"ampgraph.compile expects a torch.nn.Module, got {type(model).__name__}; "
+            "wrap a function in an nn.Module first"
+        )
 
 
 def _check_parameters(model: nn.Module) -> None:

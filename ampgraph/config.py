@@ -1,4 +1,5 @@
-"""AmpConfig: validated compile options, level defaults and dtype resolution."""
+"""AmpConfig (validated compile options) and its one resolution for a device, ResolvedConfig
+(level, dtype, runtime), which everything that compiles or converts reads."""
 
 from __future__ import annotations
 
@@ -38,50 +39,85 @@ def cpu_has_fast_fp16() -> bool:
         return False
 
 
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """Turn the user's dtype into a torch dtype for ``device``.
-
-    "auto" is bf16 on CPUs and on CUDA devices that compute bf16 natively (sm_80+), fp16 on
-    older CUDA GPUs. fp16 on a CPU without fp16 arithmetic warns.
+def parse_level(level: Any) -> str:
+    """The user's amp_level, upper-cased: ``"o2"`` -> ``"O2"``.
 
     Raises:
-        ValueError: an unknown dtype string or a non-16-bit dtype.
+        ValueError: anything but O0-O3.
 
     Example:
-        >>> resolve_dtype("bf16", torch.device("cpu"))
-        torch.bfloat16
+        >>> parse_level("o2")
+        'O2'
     """
+    if not isinstance(level, str) or level.upper() not in LEVELS:
+        raise ValueError(f"unknown amp_level {level!r}: choose one of {', '.join(LEVELS)}")
+    return level.upper()
+
+
+def parse_dtype(dtype: Any) -> torch.dtype | str:
+    """The user's dtype as a 16-bit torch dtype, or ``"auto"`` (which a device resolves).
+
+    Raises:
+        ValueError: an unknown name, a dtype that is not a 16-bit float, or another type.
+
+    Example:
+        >>> parse_dtype("bfloat16"), parse_dtype("AUTO")
+        (torch.bfloat16, 'auto')
+    """
+    why = ""
     if isinstance(dtype, torch.dtype):
-        if dtype not in (torch.bfloat16, torch.float16):
-            raise ValueError(
-                f"dtype {dtype} is not a 16-bit float: use torch.bfloat16 or torch.float16"
-            )
-        resolved = dtype
+        if dtype in (torch.bfloat16, torch.float16):
+            return dtype
+        why = " (not a 16-bit float)"
     elif isinstance(dtype, str):
         key = dtype.lower().removeprefix("torch.")
         if key == "auto":
-            if device.type == "cuda":
-                major, _ = torch.cuda.get_device_capability(device)
-                return torch.bfloat16 if major >= 8 else torch.float16
-            return torch.bfloat16
-        if key not in DTYPE_NAMES:
-            raise ValueError(
-                f"unknown dtype {dtype!r}: choose one of {', '.join(DTYPE_CHOICES)}"
-            )
-        resolved = DTYPE_NAMES[key]
+            return "auto"
+        if key in DTYPE_NAMES:
+            return DTYPE_NAMES[key]
+        if isinstance(getattr(torch, key, None), torch.dtype):
+            why = " (not a 16-bit float)"
     else:
-        raise ValueError(
-            f"dtype must be a string or torch dtype, got {type(dtype).__name__}: "
-            f"choose one of {', '.join(DTYPE_CHOICES)}"
-        )
-    if resolved == torch.float16 and device.type == "cpu" and not cpu_has_fast_fp16():
+        why = f" (of type {type(dtype).__name__})"
+    raise ValueError(f"unknown dtype {dtype!r}{why}: choose one of {', '.join(DTYPE_CHOICES)}")
+
+
+def _onnx_dtype(dtype: Any) -> torch.dtype:
+    """The low dtype of an ONNX graph: named, since a graph has no device to pick one for."""
+    try:
+        parsed = parse_dtype(dtype)
+    except ValueError:
+        parsed = None
+    if not isinstance(parsed, torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r} for ONNX: choose 'fp16' or 'bf16'")
+    return parsed
+
+
+def _device_dtype(dtype: torch.dtype | str, device: torch.device) -> torch.dtype:
+    """A parsed dtype on ``device``: "auto" is bf16 on CPUs and on CUDA devices that compute
+    bf16 natively (sm_80+), fp16 on older CUDA GPUs; fp16 on a CPU without fp16 arithmetic
+    warns."""
+    if dtype == "auto":
+        if device.type == "cuda":
+            major, _ = torch.cuda.get_device_capability(device)
+            return torch.bfloat16 if major >= 8 else torch.float16
+        return torch.bfloat16
+    if dtype == torch.float16 and device.type == "cpu" and not cpu_has_fast_fp16():
         warnings.warn(
             "fp16 on a CPU without fp16 arithmetic: torch falls back to a scalar loop that is "
             "hundreds of times slower than fp32. Use dtype='bf16' (or 'auto') on CPU.",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
-    return resolved
+    return dtype
+
+
+def _runtime_on(runtime: str | None, device: torch.device | None) -> str | None:
+    """The configured runtime, else the device's own (the plain aten one for a device
+    without a runtime of its own); None for an ONNX graph."""
+    if runtime is not None or device is None:
+        return runtime
+    return device.type if device.type in RUNTIMES else "aten"
 
 
 def _op_key(name: str) -> str | None:
@@ -111,7 +147,7 @@ class AmpConfig:
         keep_io_types: cast outputs back to their original dtype.
         backend: None (the graph runs eagerly) or a ``torch.compile`` backend name.
         runtime: the runtime the graphs call ("cpu", "cuda", "aten"); None: the one of
-            the model's device (:func:`runtime_name`).
+            the model's device (:meth:`resolve`).
 
     Example:
         >>> AmpConfig.create(amp_level="O2").amp_level
@@ -136,20 +172,8 @@ class AmpConfig:
         return cfg
 
     def validate(self) -> None:
-        if not isinstance(self.amp_level, str) or self.amp_level.upper() not in LEVELS:
-            raise ValueError(
-                f"unknown amp_level {self.amp_level!r}: choose one of O0, O1, O2, O3"
-            )
-        object.__setattr__(self, "amp_level", self.amp_level.upper())
-        if isinstance(self.dtype, str):
-            if self.dtype.lower().removeprefix("torch.") not in (*DTYPE_NAMES, "auto"):
-                raise ValueError(
-                    f"unknown dtype {self.dtype!r}: choose one of {', '.join(DTYPE_CHOICES)}"
-                )
-        elif self.dtype not in (torch.bfloat16, torch.float16):
-            raise ValueError(
-                f"unknown dtype {self.dtype!r}: choose one of {', '.join(DTYPE_CHOICES)}"
-            )
+        object.__setattr__(self, "amp_level", parse_level(self.amp_level))
+        parse_dtype(self.dtype)
         if self.backend is not None and not isinstance(self.backend, str):
             raise TypeError('backend must be None (eager) or a torch.compile backend name '
                             'such as "inductor"')
@@ -173,6 +197,34 @@ class AmpConfig:
                 raise ValueError(
                     f"module_overrides[{path!r}] = {precision!r}: choose fp32, bf16, fp16 or low"
                 )
+
+    def resolve(self, device: torch.device | None) -> ResolvedConfig:
+        """This configuration for where the model runs: the one resolution of the level,
+        the dtype and the runtime, made once and handed to everything that compiles
+        (``compile``, ``build_train_step``, the trainer integrations, the CLI) or converts
+        (``convert_onnx``, ``export_onnx``).
+
+        Args:
+            device: the model's device; None for an ONNX graph, which has no device: its
+                dtype must be named ("fp16" or "bf16", not "auto") and it has no runtime.
+
+        Raises:
+            ValueError: an unknown level or dtype (for ONNX: not fp16 or bf16).
+
+        Example:
+            >>> AmpConfig.create(dtype="auto").resolve(torch.device("cpu")).dtype
+            torch.bfloat16
+        """
+        level = parse_level(self.amp_level)
+        dtype = parse_dtype(self.dtype) if device is not None else _onnx_dtype(self.dtype)
+        if level == "O0":  # nothing runs low: no device choice, no warning
+            low = torch.float32
+        elif device is None:
+            low = dtype
+        else:
+            low = _device_dtype(dtype, device)
+        config = self if level == self.amp_level else dataclasses.replace(self, amp_level=level)
+        return ResolvedConfig(config, low, device, _runtime_on(self.runtime, device))
 
     def policy(self, low: torch.dtype) -> LevelPolicy:
         """The painter's policy for this config once the low dtype is known."""
@@ -214,6 +266,54 @@ class AmpConfig:
         return d
 
 
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """An :class:`AmpConfig` resolved for where the model runs (:meth:`AmpConfig.resolve`):
+    what every compile and conversion reads, so the dtype, the level and the runtime are
+    decided in one place.
+
+    Attributes:
+        config: the validated options as given (its dtype may still read "auto").
+        dtype: the dtype low-precision ops compute in: bf16 or fp16; fp32 at O0.
+        device: the device it was resolved for; None for an ONNX graph.
+        runtime: the runtime the graphs call there ("cpu", "cuda", "aten"); None for ONNX.
+
+    Example:
+        >>> resolved = AmpConfig.create(amp_level="o1").resolve(torch.device("cpu"))
+        >>> resolved.level, resolved.dtype, resolved.runtime
+        ('O1', torch.bfloat16, 'cpu')
+    """
+
+    config: AmpConfig
+    dtype: torch.dtype
+    device: torch.device | None
+    runtime: str | None
+
+    @property
+    def level(self) -> str:
+        """"O0".."O3"."""
+        return self.config.amp_level
+
+    @property
+    def backend(self) -> str | None:
+        """None (the graph runs eagerly) or the ``torch.compile`` backend name."""
+        return self.config.backend
+
+    def policy(self) -> LevelPolicy:
+        """The painter's policy at this level, dtype and overrides."""
+        return self.config.policy(self.dtype)
+
+    def runtime_on(self, device: torch.device) -> str:
+        """The runtime for ``device`` (the model moved after it was compiled): the configured
+        one, else the device's own; the dtype stays the resolved one.
+
+        Example:
+            >>> AmpConfig.create().resolve(torch.device("cpu")).runtime_on(torch.device("meta"))
+            'aten'
+        """
+        return _runtime_on(self.config.runtime, device)
+
+
 def _item_name(item: Any) -> str:
     return f"class:{item.__module__}.{item.__qualname__}" if isinstance(item, type) else str(item)
 
@@ -229,19 +329,6 @@ def _classify_override(item: Any, origin: str) -> tuple[str, str]:
         )
     key = _op_key(item)
     return ("op", key) if key is not None else ("module", item)
-
-
-def runtime_name(config: AmpConfig, device: torch.device) -> str:
-    """The runtime a compiled module runs on ``device``: the configured one, else the
-    device's own (a device without a runtime of its own gets the plain aten one).
-
-    Example:
-        >>> runtime_name(AmpConfig(), torch.device("cpu"))
-        'cpu'
-    """
-    if config.runtime is not None:
-        return config.runtime
-    return device.type if device.type in RUNTIMES else "aten"
 
 
 def model_device(model: nn.Module) -> torch.device:

@@ -32,7 +32,7 @@ from ampgraph.capture import (
     signature_of,
 )
 from ampgraph.capture.state import AUTOCAST_DEVICES
-from ampgraph.config import AmpConfig, dtype_name, model_device, runtime_name
+from ampgraph.config import ResolvedConfig, dtype_name, model_device
 from ampgraph.runtime import Runtime, make_runtime
 from ampgraph.signature import SignedForward, signed_forward
 from passes.fx import run_amp_passes
@@ -88,17 +88,18 @@ class EagerPart:
 class AmpModule(nn.Module):
     """A model rewritten for mixed precision; see :func:`ampgraph.compile`."""
 
-    def __init__(self, model: nn.Module, config: AmpConfig, low: torch.dtype, path: str = ""):
+    def __init__(self, model: nn.Module, config: ResolvedConfig, path: str = ""):
         super().__init__()
         share_state(self, model)
         self.__dict__.update(
-            _amp_model=model, amp_config=config, amp_dtype=low, _amp_path=path,
+            _amp_model=model, amp_resolved=config, amp_config=config.config,
+            amp_dtype=config.dtype, _amp_path=path,
             _amp_graphs=OrderedDict(), _amp_lock=threading.RLock(), _amp_eager=None,
             _amp_eager_reason=None, _amp_last=None, _amp_runtime=None,
             _amp_transforms=[], _amp_refused=set(),
             _amp_forward=signed_forward(model, AmpModule._run),
         )
-        self._amp_policy = config.policy(low)
+        self._amp_policy = config.policy()
 
     # -- nn.Module plumbing -------------------------------------------------------------
 
@@ -163,7 +164,7 @@ class AmpModule(nn.Module):
                 child.clear_weight_cache()
 
     def __deepcopy__(self, memo: dict) -> AmpModule:
-        return AmpModule(copy.deepcopy(self._amp_model, memo), self.amp_config, self.amp_dtype,
+        return AmpModule(copy.deepcopy(self._amp_model, memo), self.amp_resolved,
                          self._amp_path).train(self.training)
 
     @property
@@ -277,7 +278,7 @@ class AmpModule(nn.Module):
     def _runtime_for(self, model: nn.Module) -> Runtime:
         """The runtime the resolved configuration names for the model's device now (made
         once; again if the model moved to a device with another runtime)."""
-        name = runtime_name(self.amp_config, model_device(model))
+        name = self.amp_resolved.runtime_on(model_device(model))
         runtime = self._amp_runtime
         if runtime is None or runtime.name != name:
             runtime = self.__dict__["_amp_runtime"] = make_runtime(name)
@@ -294,8 +295,8 @@ class AmpModule(nn.Module):
             stacklevel=4,
         )
         self.__dict__["_amp_eager_reason"] = reason
-        self.__dict__["_amp_eager"] = eager_plan(model, self.amp_config, self.amp_dtype,
-                                                  self._amp_path, self._amp_policy)
+        self.__dict__["_amp_eager"] = eager_plan(model, self.amp_resolved, self._amp_path,
+                                                  self._amp_policy)
 
     # -- reporting ------------------------------------------------------------------------
 
@@ -375,8 +376,7 @@ def _amp_children(module: nn.Module) -> list[AmpModule]:
     return out
 
 
-def eager_plan(model: nn.Module, config: AmpConfig, low: torch.dtype, path: str,
-               policy: Any) -> nn.Module:
+def eager_plan(model: nn.Module, config: ResolvedConfig, path: str, policy: Any) -> nn.Module:
     """A shallow copy of ``model`` whose children are compiled on their own.
 
     Containers without a forward of their own (ModuleList, ModuleDict) are copied the
@@ -389,9 +389,9 @@ def eager_plan(model: nn.Module, config: AmpConfig, low: torch.dtype, path: str,
         if child is None:
             children[name] = None
         elif type(child).forward is nn.Module.forward:
-            children[name] = eager_plan(child, config, low, sub, policy)
+            children[name] = eager_plan(child, config, sub, policy)
         else:
-            children[name] = AmpModule(child, config, low, sub)
+            children[name] = AmpModule(child, config, sub)
             children[name].__dict__["_amp_policy"] = policy
     plan.__dict__["_modules"] = children
     return plan

@@ -26,7 +26,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     CORE: {"runtime"},
     "monitor": set(),
     "onnx": {CORE},
-    "train": {CORE, "runtime", "monitor", ROOT_PACKAGE},
+    "train": {CORE, "runtime", "monitor"},
     "cli": {CORE, "runtime", "monitor", "onnx", "train", ROOT_PACKAGE},
     "integrations": {CORE, "runtime", "monitor", "onnx", "train", ROOT_PACKAGE},
     # entry points: the package's own __init__/__main__ and the demo script

@@ -159,7 +159,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     import torch
 
     from ampgraph.cli import bench as _cli_bench
-    from ampgraph.config import dtype_name, resolve_dtype
+    from ampgraph.config import AmpConfig, dtype_name
 
     target = parse_target(args.target)
     if target.kind == "onnx":
@@ -177,7 +177,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     model, inputs = _load_factory(args, target, args.train)
     model.to(device)
     inputs = tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in inputs)
-    low = resolve_dtype(args.dtype, device)
+    low = AmpConfig.create(dtype=args.dtype).resolve(device).dtype  # the levels' low dtype
     variants = _cli_bench.run(model, inputs, args.levels, low, device, args.steps, args.warmup,
                               args.train, hide_capture_output=not getattr(args, "debug", False))
     records = _cli_bench.results(variants)

@@ -34,8 +34,8 @@ import torch
 from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 
-import ampgraph
-from ampgraph.config import dtype_name, model_device, resolve_dtype
+from ampgraph.api import compile_resolved
+from ampgraph.config import AmpConfig, ResolvedConfig, dtype_name, model_device, parse_dtype
 from ampgraph.integrations._scaling import LossScaler
 from ampgraph.module import AmpModule
 from ampgraph.train.loss_scale import LossScaleManager, resolve_manager
@@ -43,13 +43,14 @@ from ampgraph.train.loss_scale import LossScaleManager, resolve_manager
 __all__ = ["AmpGraphPrecision", "compile_children"]
 
 
-def compile_children(module: nn.Module, amp_level: str, dtype: torch.dtype,
-                     **compile_kwargs: Any) -> list[str]:
-    """Replace each child of ``module`` that owns parameters by its compiled version, in
-    place; enter containers without a forward. Returns the compiled children's paths.
+def compile_children(module: nn.Module, config: ResolvedConfig) -> list[str]:
+    """Replace each child of ``module`` that owns parameters by its version compiled with
+    ``config``, in place; enter containers without a forward. Returns the compiled
+    children's paths.
 
     Example:
-        >>> compile_children(lit_module, "O2", torch.bfloat16)  # doctest: +SKIP
+        >>> config = AmpConfig.create(dtype="bf16").resolve(torch.device("cpu"))
+        >>> compile_children(lit_module, config)  # doctest: +SKIP
         ['encoder', 'head']
     """
     done: list[str] = []
@@ -64,7 +65,7 @@ def compile_children(module: nn.Module, amp_level: str, dtype: torch.dtype,
             if type(child).forward is nn.Module.forward:  # ModuleList, ModuleDict
                 visit(child, f"{path}.")
                 continue
-            setattr(parent, name, ampgraph.compile(child, amp_level, dtype, **compile_kwargs))
+            setattr(parent, name, compile_resolved(child, config))
             done.append(path)
 
     visit(module, "")
@@ -104,6 +105,9 @@ class AmpGraphPrecision(Precision):
         self.amp_level = amp_level
         self.dtype = dtype
         self.compile_kwargs = compile_kwargs
+        self.config = AmpConfig.create(amp_level=amp_level, dtype=dtype, **compile_kwargs)
+        #: the configuration resolved once (None until "auto" is, on the Trainer's device)
+        self.resolved: ResolvedConfig | None = None
         self.compiled: list[str] = []
         self._manager_arg = loss_scale_manager
         self._scaler: LossScaler | None = None
@@ -111,15 +115,15 @@ class AmpGraphPrecision(Precision):
         self.amp_dtype: torch.dtype | None = None
         #: whether the last optimizer step was skipped for a non-finite gradient or loss
         self.last_step_skipped = False
-        if not (isinstance(dtype, str) and dtype == "auto"):
+        if parse_dtype(dtype) != "auto":  # a named dtype needs no device: scaler known now
             self._resolve(torch.device("cpu"))
 
     def _resolve(self, device: torch.device) -> None:
-        """Fix the low dtype for ``device`` and build the loss scaler once."""
-        if self.amp_dtype is not None:
+        """Resolve the configuration on ``device`` and build the loss scaler, once."""
+        if self.resolved is not None:
             return
-        self.amp_dtype = resolve_dtype(self.dtype, device) if self.amp_level != "O0" else (
-            torch.float32)
+        self.resolved = self.config.resolve(device)
+        self.amp_dtype = self.resolved.dtype
         manager = resolve_manager(self._manager_arg, self.amp_dtype)
         self._scaler = None if manager is None else LossScaler(manager)
         self.precision = "16-mixed" if self.amp_dtype == torch.float16 else (
@@ -145,8 +149,7 @@ class AmpGraphPrecision(Precision):
         trainer = getattr(module, "_trainer", None)
         device = trainer.strategy.root_device if trainer is not None else model_device(module)
         self._resolve(device)
-        self.compiled += compile_children(module, self.amp_level, self.amp_dtype,
-                                          **self.compile_kwargs)
+        self.compiled += compile_children(module, self.resolved)
         return module
 
     def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:

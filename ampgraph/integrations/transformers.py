@@ -32,8 +32,8 @@ from typing import Any
 import torch
 from transformers import Trainer
 
-import ampgraph
-from ampgraph.config import model_device, resolve_dtype
+from ampgraph.api import compile_resolved
+from ampgraph.config import AmpConfig, model_device
 from ampgraph.integrations._scaling import LossScaler
 from ampgraph.module import AmpModule
 from ampgraph.train.loss_scale import LossScaleManager, resolve_manager
@@ -77,8 +77,8 @@ class AmpGraphTrainer(Trainer):
             )
         if not isinstance(model, AmpModule):
             device = training_args.device if training_args is not None else model_device(model)
-            dtype = amp_dtype if amp_level == "O0" else resolve_dtype(amp_dtype, device)
-            model = ampgraph.compile(model, amp_level, dtype)
+            config = AmpConfig.create(amp_level=amp_level, dtype=amp_dtype).resolve(device)
+            model = compile_resolved(model, config)
         if "model" in kwargs:
             kwargs["model"] = model
         else:

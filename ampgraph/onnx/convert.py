@@ -21,13 +21,13 @@ from typing import Any
 
 from onnx import ModelProto
 
+from ampgraph.config import DTYPE_NAMES, AmpConfig, ResolvedConfig, dtype_name
 from ampgraph.onnx.session import feeds_for, onnx_session
 from ampgraph.onnx.validate import compare_output
 from passes.onnx import ConstantRangeWarning, convert_model, low_regions
 from passes.onnx import io as pio
 from passes.onnx.io import ModelLike, OnnxModelError, max_ir_version
 from passes.onnx.regions import bisect_regions
-from passes.policy import LEVELS
 
 
 def convert_onnx(
@@ -50,7 +50,8 @@ def convert_onnx(
         model: a ModelProto, serialized bytes, or a path (use a path for models over 2 GB
             with external data).
         amp_level: "O0".."O3": the same levels and op classes as ``ampgraph.compile``.
-        dtype: "fp16" or "bf16".
+        dtype: "fp16" or "bf16" (or torch's names for them; an ONNX graph has no device
+            to choose for, so no "auto").
         keep_io_types: graph inputs/outputs keep their dtypes.
         op_block_list: ONNX op types forced to FP32 (e.g. ``["Softmax"]``).
         node_block_list: node names (fnmatch patterns) forced to FP32.
@@ -73,16 +74,43 @@ def convert_onnx(
         >>> fp16 = convert_onnx("model.onnx", "O2", op_block_list=["Softmax"],
         ...                     output_path="model_fp16.onnx")
     """
-    if isinstance(amp_level, str):
-        amp_level = amp_level.upper()  # "o2" like ampgraph.compile and the CLI
-    if amp_level not in LEVELS:
-        raise ValueError(f"unknown amp_level {amp_level!r}: choose one of {', '.join(LEVELS)}")
-    if dtype not in ("fp16", "bf16", "float16", "bfloat16"):
-        raise ValueError(f"unknown dtype {dtype!r} for ONNX: choose 'fp16' or 'bf16'")
+    config = AmpConfig(amp_level=amp_level, dtype=dtype).resolve(device=None)
+    return convert_resolved(
+        model, config, keep_io_types=keep_io_types, op_block_list=op_block_list,
+        node_block_list=node_block_list, output_path=output_path, keep_norm_fp32=keep_norm_fp32,
+        auto_tolerance=auto_tolerance, auto_inputs=auto_inputs, auto_device=auto_device)
+
+
+def convert_resolved(
+    model: ModelLike,
+    config: ResolvedConfig,
+    *,
+    keep_io_types: bool = True,
+    op_block_list: Sequence[str] | None = None,
+    node_block_list: Sequence[str] | None = None,
+    output_path: str | os.PathLike | None = None,
+    keep_norm_fp32: bool | None = None,
+    auto_tolerance: float | None = None,
+    auto_inputs: Any = None,
+    auto_device: str = "auto",
+) -> ModelProto:
+    """:func:`convert_onnx` with the level and dtype already resolved for an ONNX graph
+    (``AmpConfig(...).resolve(device=None)``): ``export_onnx`` resolves before it exports.
+
+    Example:
+        >>> config = AmpConfig(amp_level="O2", dtype="fp16").resolve(device=None)
+        >>> fp16 = convert_resolved("model.onnx", config, output_path="model_fp16.onnx")
+    """
+    amp_level = config.level
+    # the stamp and the pass name the low dtype; at O0 nothing runs low and the pass,
+    # which converts nothing then, still takes a 16-bit name
+    dtype = dtype_name(config.dtype) if amp_level != "O0" else "fp16"
+    stamped = dtype_name(config.dtype)
     proto, external = pio.load_model(model)
     stamp = {p.key: p.value for p in proto.metadata_props}
     if stamp.get("ampgraph.amp_level", "O0") != "O0":  # converting twice: no-op, or refused
-        if (stamp["ampgraph.amp_level"], stamp.get("ampgraph.dtype")) != (amp_level, dtype):
+        done = (stamp["ampgraph.amp_level"], DTYPE_NAMES.get(stamp.get("ampgraph.dtype", "")))
+        if done != (amp_level, config.dtype):  # "fp16" and "float16" alike
             raise ValueError(
                 f"this model was already converted by ampgraph at {stamp['ampgraph.amp_level']} "
                 f"{stamp.get('ampgraph.dtype')}; convert the original FP32 model instead"
@@ -102,10 +130,10 @@ def convert_onnx(
                        auto_device)
     if amp_level != "O0" and not any(getattr(d, "cls", "") for d in result.assignment.values()):
         warnings.warn("convert_onnx: the model has no float tensors to convert; it is returned "
-                      "unchanged", UserWarning, stacklevel=2)
+                      "unchanged", UserWarning, stacklevel=3)
     out = result.model
     out.ir_version = min(out.ir_version, max_ir_version())
-    pio.stamp(out, {"ampgraph.amp_level": amp_level, "ampgraph.dtype": dtype})
+    pio.stamp(out, {"ampgraph.amp_level": amp_level, "ampgraph.dtype": stamped})
     if output_path is not None:
         large = external or pio.data_bytes(out) > pio.EXTERNAL_DATA_BYTES
         out = pio.save_model(out, Path(output_path), large)
@@ -159,4 +187,4 @@ def _auto(model, first, level, dtype, kw, tolerance, inputs, device):
         bar.close()
 
 
-__all__ = ["OnnxModelError", "convert_onnx", "max_ir_version"]
+__all__ = ["OnnxModelError", "convert_onnx", "convert_resolved", "max_ir_version"]

@@ -24,7 +24,8 @@ from onnx import ModelProto
 from torch.utils import _pytree as pytree
 
 from ampgraph.capture.hf_caches import register_hf_caches
-from ampgraph.onnx.convert import convert_onnx
+from ampgraph.config import AmpConfig
+from ampgraph.onnx.convert import convert_resolved
 from passes.onnx import io as pio
 
 
@@ -59,7 +60,8 @@ def export_onnx(
         model: the module (exported in eval mode; its mode is restored afterwards).
         args: positional example inputs (a tensor or a tuple; ``()`` when all are keywords).
         path: output .onnx file.
-        amp_level, dtype, keep_io_types: as in :func:`convert_onnx`.
+        amp_level, dtype, keep_io_types: as in :func:`convert_onnx` (a bad level or dtype
+            is refused before the export).
         kwargs: keyword example inputs, e.g. ``{"input_ids": ids, "attention_mask": mask}``
             (HuggingFace models); the ONNX inputs take their names.
         dynamic_batch: keep dimension 0 of every tensor input dynamic (named ``batch``).
@@ -81,6 +83,7 @@ def export_onnx(
         >>> export_onnx(bert, (), "bert_fp16.onnx", kwargs={"input_ids": ids,
         ...                                                  "attention_mask": mask})
     """
+    config = AmpConfig(amp_level=amp_level, dtype=dtype).resolve(device=None)  # before export
     if exporter not in EXPORTERS:
         raise ValueError(f"exporter must be one of {EXPORTERS}, not {exporter!r}")
     args = args if isinstance(args, tuple) else (args,)
@@ -106,9 +109,9 @@ def export_onnx(
             warnings.warn("torch.export specialised the batch dimension (an example batch "
                           "of 1, or a shape computed from it); use an example batch >= 2",
                           stacklevel=2)
-        converted = convert_onnx(proto if fp32_path is None else fp32_path, amp_level, dtype,
-                                 keep_io_types=keep_io_types, output_path=path,
-                                 **convert_kwargs)
+        converted = convert_resolved(proto if fp32_path is None else fp32_path, config,
+                                     keep_io_types=keep_io_types, output_path=path,
+                                     **convert_kwargs)
     finally:
         if tmp is not None:
             tmp.cleanup()

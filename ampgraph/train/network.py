@@ -4,6 +4,7 @@ parameters it unscales, and the process group it agrees with."""
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any
 
@@ -12,7 +13,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ampgraph.config import dtype_name, model_device, resolve_dtype
+from ampgraph.api import compile as compile_model
+from ampgraph.config import dtype_name, model_device
+from ampgraph.module import AmpModule
 
 
 class ArgDefault(str):
@@ -27,8 +30,6 @@ def resolve_network(
     model: nn.Module, amp_level: str, dtype: Any, compile_kwargs: dict[str, Any]
 ) -> tuple[nn.Module, nn.Module]:
     """(what the step calls, the AmpModule): compile unless already compiled."""
-    from ampgraph.module import AmpModule
-
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be an nn.Module, got {type(model).__name__}")
     inner = model.module if isinstance(model, DistributedDataParallel) else model
@@ -63,9 +64,7 @@ def resolve_network(
             "then wrap: DistributedDataParallel(ampgraph.compile(model, ...)); "
             "see docs/training.md"
         )
-    import ampgraph
-
-    compiled = ampgraph.compile(model, plain(amp_level), plain(dtype), **compile_kwargs)
+    compiled = compile_model(model, plain(amp_level), plain(dtype), **compile_kwargs)
     return compiled, compiled
 
 
@@ -77,8 +76,6 @@ def amp_of(module: nn.Module) -> nn.Module:
         >>> amp_of(ampgraph.compile(model)).amp_config.amp_level  # doctest: +SKIP
         'O2'
     """
-    from ampgraph.module import AmpModule
-
     return next(m for m in module.modules() if isinstance(m, AmpModule))
 
 
@@ -105,9 +102,10 @@ def check_compiled_matches(module: nn.Module, amp_level: str, dtype: Any) -> Non
                 f"build_train_step the uncompiled model)"
             )
     if not isinstance(dtype, ArgDefault) and level != "O0":
+        asked = dataclasses.replace(module.amp_config, dtype=plain(dtype))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            wanted = resolve_dtype(dtype, model_device(module))
+            wanted = asked.resolve(model_device(module)).dtype
         if wanted != module.amp_dtype:
             raise ValueError(
                 f"model was compiled with dtype {dtype_name(module.amp_dtype)} but "

@@ -160,3 +160,38 @@ def test_plugin_state_waits_for_auto_and_refuses_a_mismatch():
         AmpGraphPrecision("O2", dtype="bf16").load_state_dict(saved)
     with pytest.raises(ValueError, match="loss_scale_manager must be"):
         AmpGraphPrecision(loss_scale_manager=2.0)
+
+
+class TwoChildren(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.Linear(8, 16)
+        self.heads = nn.ModuleList([nn.Linear(16, 4), nn.Linear(16, 2)])
+        self.loss = nn.CrossEntropyLoss()
+
+
+def test_plugin_resolves_once_and_compiles_every_child_with_it(monkeypatch):
+    from ampgraph.config import AmpConfig
+    from ampgraph.integrations.lightning import AmpGraphPrecision
+
+    calls = []
+    real = AmpConfig.resolve
+    monkeypatch.setattr(AmpConfig, "resolve",
+                        lambda self, device: calls.append(device) or real(self, device))
+    plugin = AmpGraphPrecision("o1", custom_deny=["softmax"])  # "auto": at convert_module
+    assert calls == [] and plugin.resolved is None
+    module = plugin.convert_module(TwoChildren())
+    assert calls == [torch.device("cpu")]
+    assert plugin.compiled == ["encoder", "heads.0", "heads.1"]
+    children = [module.encoder, *module.heads]
+    assert all(c.amp_resolved is plugin.resolved for c in children)
+    assert plugin.resolved.level == "O1" and plugin.amp_dtype == torch.bfloat16
+    assert plugin.resolved.config.custom_deny == ("softmax",)
+
+
+def test_plugin_refuses_a_bad_level_when_built():
+    from ampgraph.integrations.lightning import AmpGraphPrecision
+
+    with pytest.raises(ValueError, match=r"unknown amp_level 'O4': choose one of O0, O1, O2, "
+                                         r"O3"):
+        AmpGraphPrecision("O4")

@@ -136,3 +136,21 @@ def test_amp_graph_trainer_refuses_trainer_autocast(tmp_path):
     model = transformers.BertForSequenceClassification(_config())
     with pytest.raises(ValueError, match="pass amp_dtype="):
         AmpGraphTrainer(model=model, args=_args(tmp_path, bf16=True))
+
+
+def test_amp_graph_trainer_resolves_once_on_the_training_device(tmp_path, monkeypatch):
+    from ampgraph.config import AmpConfig
+    from ampgraph.integrations.transformers import AmpGraphTrainer
+
+    calls = []
+    real = AmpConfig.resolve
+    monkeypatch.setattr(AmpConfig, "resolve",
+                        lambda self, device: calls.append(device) or real(self, device))
+    args = _args(tmp_path)
+    trainer = AmpGraphTrainer(model=transformers.BertForSequenceClassification(_config()),
+                              args=args, amp_level="o2", amp_dtype="auto")
+    assert calls == [args.device]
+    resolved = trainer.model.amp_resolved
+    assert (resolved.level, resolved.dtype, resolved.device) == ("O2", torch.bfloat16,
+                                                                 args.device)
+    assert trainer.loss_scaler is None  # bf16: no loss scaling
