@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import threading
 import warnings
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,21 +31,17 @@ from ampgraph.capture import (
     share_state,
     signature_of,
 )
+from ampgraph.capture.fallback import EagerPart, compiled_children, eager_plan
+from ampgraph.capture.generate import route_method
 from ampgraph.capture.state import AUTOCAST_DEVICES
-from ampgraph.config import ResolvedConfig, dtype_name, model_device
+from ampgraph.config import AmpConfig, ResolvedConfig, dtype_name, model_device
 from ampgraph.runtime import Runtime, make_runtime
 from ampgraph.signature import SignedForward, signed_forward
 from passes.fx import run_amp_passes
-from passes.fx.dtypes import dtype_of
-from passes.fx.graph import module_info, op_key
-from passes.policy import FP32, LOW, NA
+from passes.policy import NA, LevelPolicy
 
 MAX_GRAPHS_PER_SIGNATURE = 8
 MAX_REFUSED_SHAPES = 1024  # input shapes export refused, remembered so as not to retry
-
-# Methods of the wrapped model that call ``self(...)`` (HuggingFace ``generate``): run on
-# a stand-in of the model whose forward is the compiled one, see :func:`_call_routed`.
-ROUTED_METHODS = frozenset({"generate"})
 
 
 def _autocast_on() -> bool:
@@ -76,30 +72,52 @@ class Compiled:
         return self.captured.gm
 
 
-@dataclass
-class EagerPart:
-    """A module that could not be captured and runs its own code eagerly in fp32."""
-
-    path: str
-    module_type: str
-    reason: str
-
-
 class AmpModule(nn.Module):
-    """A model rewritten for mixed precision; see :func:`ampgraph.compile`."""
+    """A model rewritten for mixed precision; see :func:`ampgraph.compile`.
+
+    The user's model and the eager plan are modules that must not become children:
+    ``share_state`` makes this module's ``_modules`` the model's own dict, so
+    ``nn.Module.__setattr__`` would register them in the user's model (the model inside
+    itself, every ``state_dict`` key prefixed). They are set with ``object.__setattr__``,
+    as is the graph each call picks (``_amp_last``: no ``nn.Module.__setattr__`` on every
+    call). The other fields are plain values.
+    """
+
+    amp_resolved: ResolvedConfig  # level, dtype, device and runtime, resolved once
+    amp_config: AmpConfig
+    amp_dtype: torch.dtype  # the low dtype the graphs compute in
+    _amp_model: nn.Module  # the user's model (not registered, see above)
+    _amp_path: str  # this module's path in the model compiled first ("" at the root)
+    _amp_policy: LevelPolicy  # the painter's policy (shared by the eager plan's children)
+    _amp_graphs: OrderedDict[tuple, list[Compiled]]  # (training, input signature) -> graphs
+    _amp_lock: threading.RLock  # guards the graphs, the refused shapes and going eager
+    _amp_eager: nn.Module | None  # the eager plan once export failed (not registered)
+    _amp_eager_reason: str | None  # why export failed, for ``explain``
+    _amp_last: Compiled | None  # the graph of the last call
+    _amp_runtime: Runtime | None  # made for the model's device on the first capture
+    _amp_transforms: list[Callable[[fx.GraphModule], Any]]  # see add_graph_transform
+    _amp_refused: set[tuple]  # (key, input shapes) export refused: these run eagerly
+    _amp_forward: Callable[..., Any] | None  # forward with the model's signature
+    _amp_training: bool  # the mode nn.Module.__init__ sets, before the model is attached
 
     def __init__(self, model: nn.Module, config: ResolvedConfig, path: str = ""):
         super().__init__()
         share_state(self, model)
-        self.__dict__.update(
-            _amp_model=model, amp_resolved=config, amp_config=config.config,
-            amp_dtype=config.dtype, _amp_path=path,
-            _amp_graphs=OrderedDict(), _amp_lock=threading.RLock(), _amp_eager=None,
-            _amp_eager_reason=None, _amp_last=None, _amp_runtime=None,
-            _amp_transforms=[], _amp_refused=set(),
-            _amp_forward=signed_forward(model, AmpModule._run),
-        )
+        object.__setattr__(self, "_amp_model", model)  # not a child: see the class docstring
+        self.amp_resolved = config
+        self.amp_config = config.config
+        self.amp_dtype = config.dtype
+        self._amp_path = path
         self._amp_policy = config.policy()
+        self._amp_graphs = OrderedDict()
+        self._amp_lock = threading.RLock()
+        object.__setattr__(self, "_amp_eager", None)
+        self._amp_eager_reason = None
+        object.__setattr__(self, "_amp_last", None)
+        self._amp_runtime = None
+        self._amp_transforms = []
+        self._amp_refused = set()
+        self._amp_forward = signed_forward(model, AmpModule._run)
 
     # -- nn.Module plumbing -------------------------------------------------------------
 
@@ -110,10 +128,7 @@ class AmpModule(nn.Module):
             model = self.__dict__.get("_amp_model")
             if model is None:
                 raise
-            attr = getattr(model, name)
-            if name in ROUTED_METHODS and getattr(attr, "__self__", None) is model:
-                return functools.partial(_call_routed, self, name)
-            return attr
+            return route_method(self, model, name, getattr(model, name))  # HF generate
 
     @property
     def training(self) -> bool:
@@ -124,8 +139,8 @@ class AmpModule(nn.Module):
     @training.setter
     def training(self, mode: bool) -> None:
         model = self.__dict__.get("_amp_model")
-        if model is None:  # nn.Module.__init__, before the model is attached
-            self.__dict__["_amp_training"] = mode
+        if model is None:  # nn.Module.__init__, before its dicts and the model exist
+            object.__setattr__(self, "_amp_training", mode)
         else:
             model.training = mode
 
@@ -151,7 +166,7 @@ class AmpModule(nn.Module):
         runtime = self._amp_runtime
         copies = runtime.working_copies() if runtime is not None else []
         if self._amp_eager is not None:
-            for child in _amp_children(self._amp_eager):
+            for child in compiled_children(self._amp_eager, AmpModule):
                 copies += child.working_copies()
         return copies
 
@@ -160,7 +175,7 @@ class AmpModule(nn.Module):
         if self._amp_runtime is not None:
             self._amp_runtime.clear()
         if self._amp_eager is not None:
-            for child in _amp_children(self._amp_eager):
+            for child in compiled_children(self._amp_eager, AmpModule):
                 child.clear_weight_cache()
 
     def __deepcopy__(self, memo: dict) -> AmpModule:
@@ -218,7 +233,7 @@ class AmpModule(nn.Module):
             graphs = self._amp_graphs.setdefault(key, [])
             for compiled in graphs:
                 if compiled.captured.accepts_leaves(leaves):
-                    self.__dict__["_amp_last"] = compiled
+                    object.__setattr__(self, "_amp_last", compiled)
                     return compiled
             # other shapes of this structure captured: these ones alone run eagerly if
             # export refuses them (e.g. sizes the model itself rejects), not every call
@@ -232,7 +247,7 @@ class AmpModule(nn.Module):
                 return None
             graphs.insert(0, compiled)
             del graphs[MAX_GRAPHS_PER_SIGNATURE:]
-            self.__dict__["_amp_last"] = compiled
+            object.__setattr__(self, "_amp_last", compiled)
             return compiled
 
     def _capture(self, args: tuple, kwargs: dict, first: bool = True) -> Compiled | None:
@@ -281,7 +296,7 @@ class AmpModule(nn.Module):
         name = self.amp_resolved.runtime_on(model_device(model))
         runtime = self._amp_runtime
         if runtime is None or runtime.name != name:
-            runtime = self.__dict__["_amp_runtime"] = make_runtime(name)
+            runtime = self._amp_runtime = make_runtime(name)
         return runtime
 
     def _go_eager(self, reason: str) -> None:
@@ -294,9 +309,15 @@ class AmpModule(nn.Module):
             UserWarning,
             stacklevel=4,
         )
-        self.__dict__["_amp_eager_reason"] = reason
-        self.__dict__["_amp_eager"] = eager_plan(model, self.amp_resolved, self._amp_path,
-                                                  self._amp_policy)
+        self._amp_eager_reason = reason
+        plan = eager_plan(model, self._amp_path, self._compile_child)
+        object.__setattr__(self, "_amp_eager", plan)  # not a child: see the class docstring
+
+    def _compile_child(self, child: nn.Module, path: str) -> AmpModule:
+        """A child of the eager plan, compiled on its own with this module's policy."""
+        sub = AmpModule(child, self.amp_resolved, path)
+        sub._amp_policy = self._amp_policy
+        return sub
 
     # -- reporting ------------------------------------------------------------------------
 
@@ -317,114 +338,14 @@ class AmpModule(nn.Module):
         graphs: list[tuple[str, Compiled]] = []
         eager = [EagerPart(self._amp_path or "<root>", type(self._amp_model).__name__,
                            self._amp_eager_reason or "")]
-        for sub in _amp_children(self._amp_eager):
+        for sub in compiled_children(self._amp_eager, AmpModule):
             g, e = sub.amp_parts()
             graphs += g
             eager += e
         return graphs, eager
 
 
-def _call_routed(amp: AmpModule, name: str, *args: Any, **kwargs: Any) -> Any:
-    """``amp._amp_model.<name>(*args, **kwargs)`` with every ``self(...)`` and
-    ``self.forward(...)`` inside it running ``amp``'s compiled graphs.
-
-    HuggingFace's ``generate`` calls the model object it is bound to, so calling it on the
-    wrapped model would run the fp32 model. It runs instead on a stand-in: an instance of
-    a subclass of the model's class (so ``isinstance`` and ``super()`` hold) whose
-    ``forward`` is ``amp`` and keeps the model's signature, with a copy of the model's
-    ``__dict__`` (the same parameters, submodules, config and generation config). The
-    model's own object is not touched while it runs (other threads may call it); plain
-    attributes the method set on the stand-in are copied back to the model after it.
-    """
-    model = amp._amp_model
-    stand_in = object.__new__(_routed_class(type(model)))
-    state = model.__dict__
-    stand_in.__dict__.update(state)
-    stand_in.__dict__["_amp_route"] = amp
-    try:
-        return getattr(stand_in, name)(*args, **kwargs)
-    finally:
-        for key, value in stand_in.__dict__.items():
-            if key != "_amp_route" and state.get(key, _MISSING) is not value:
-                state[key] = value
-
-
-_MISSING = object()
-_ROUTED_CLASSES: dict[type, type] = {}
-
-
-def _routed_class(cls: type) -> type:
-    routed = _ROUTED_CLASSES.get(cls)
-    if routed is None:
-        def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            return self.__dict__["_amp_route"](*args, **kwargs)
-
-        functools.update_wrapper(forward, cls.forward)  # HF inspects forward's parameters
-        routed = _ROUTED_CLASSES[cls] = type(cls.__name__, (cls,), {
-            "forward": forward, "__module__": cls.__module__,
-            "__qualname__": cls.__qualname__})
-    return routed
-
-
-def _amp_children(module: nn.Module) -> list[AmpModule]:
-    out = []
-    for child in module.children():
-        if isinstance(child, AmpModule):
-            out.append(child)
-        else:
-            out += _amp_children(child)
-    return out
-
-
-def eager_plan(model: nn.Module, config: ResolvedConfig, path: str, policy: Any) -> nn.Module:
-    """A shallow copy of ``model`` whose children are compiled on their own.
-
-    Containers without a forward of their own (ModuleList, ModuleDict) are copied the
-    same way; a module without children runs as it is, in fp32.
-    """
-    plan = copy.copy(model)
-    children = OrderedDict()
-    for name, child in model._modules.items():
-        sub = f"{path}.{name}" if path else name
-        if child is None:
-            children[name] = None
-        elif type(child).forward is nn.Module.forward:
-            children[name] = eager_plan(child, config, sub, policy)
-        else:
-            children[name] = AmpModule(child, config, sub)
-            children[name].__dict__["_amp_policy"] = policy
-    plan.__dict__["_modules"] = children
-    return plan
-
-
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
 
-
-def node_rows(prefix: str, compiled: Compiled, low: torch.dtype) -> list[dict[str, str]]:
-    """One row per original graph node: name, op, module, precision, reason."""
-    rows = []
-    for node in compiled.gm.graph.nodes:
-        if node.op in ("output", "call_module") or node.meta.get("amp_cast"):
-            continue
-        decision = compiled.decisions.get(node.name)
-        path, _ = module_info(node)
-        if node.op == "get_attr":
-            path = node.target.rpartition(".")[0]
-        module = ".".join(p for p in (prefix, path) if p)
-        # meta starts as the painter's decision; later passes (norm cast fusion) amend it
-        precision = node.meta.get("amp_precision", decision.precision if decision else NA)
-        reason = node.meta.get("amp_reason", decision.reason if decision else "")
-        if precision == LOW:
-            precision = dtype_name(low)
-        elif precision == NA and decision is not None:
-            now = dtype_of(node)
-            if now in (torch.float32, torch.float16, torch.bfloat16):
-                precision = dtype_name(now)
-        elif precision == FP32:
-            precision = "fp32"
-        op = node.meta.get("amp_orig_op") or op_key(node)  # a fused op shows what it runs
-        rows.append({"name": node.name, "op": op if node.op == "call_function" else node.op,
-                     "module": module, "precision": precision, "reason": reason})
-    return rows

@@ -10,8 +10,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampgraph.capture.fallback import EagerPart
 from ampgraph.config import dtype_name
-from ampgraph.module import AmpModule, EagerPart, node_rows
+from ampgraph.module import AmpModule
+from ampgraph.node_rows import node_rows
 
 
 @dataclass

@@ -47,12 +47,19 @@ class OpGroup:
     ops: frozenset[str]
 
 
-def _group(name: str, cls: str, reason: str, ops: str) -> OpGroup:
+def op_group(name: str, cls: str, reason: str, ops: str) -> OpGroup:
+    """An :class:`OpGroup` whose ops are given as one whitespace-separated string (each
+    dialect's tables list their ops this way).
+
+    Example:
+        >>> sorted(op_group("add", CLEAR, "elementwise", "aten.add aten.sub").ops)
+        ['aten.add', 'aten.sub']
+    """
     return OpGroup(name, cls, reason, frozenset(ops.split()))
 
 
 FX_GROUPS: tuple[OpGroup, ...] = (
-    _group(
+    op_group(
         "matmul", ALLOW,
         "matrix multiply: Tensor Cores / AMX / AVX512-BF16 run it several times faster "
         "and accumulate in fp32",
@@ -60,27 +67,27 @@ FX_GROUPS: tuple[OpGroup, ...] = (
         "aten.addmv aten.addr aten.mv aten.einsum aten.chain_matmul aten.linalg_multi_dot "
         "aten._addmm_activation aten.bilinear",
     ),
-    _group(
+    op_group(
         "conv", ALLOW,
         "convolution: Tensor Cores / AMX run it several times faster and accumulate in fp32",
         "aten.conv1d aten.conv2d aten.conv3d aten.convolution aten._convolution "
         "aten.conv_transpose1d aten.conv_transpose2d aten.conv_transpose3d "
         "aten.cudnn_convolution aten.mkldnn_convolution aten.conv_tbc",
     ),
-    _group(
+    op_group(
         "attention", ALLOW,
         "fused attention: matmul-bound, its kernels keep softmax statistics in fp32",
         "aten.scaled_dot_product_attention aten._scaled_dot_product_flash_attention "
         "aten._scaled_dot_product_efficient_attention aten._scaled_dot_product_cudnn_attention "
         "aten._scaled_dot_product_flash_attention_for_cpu",
     ),
-    _group(
+    op_group(
         "rnn", ALLOW,
         "recurrent cells: a matmul per step dominates",
         "aten.lstm aten.gru aten.rnn_tanh aten.rnn_relu aten.lstm_cell aten.gru_cell "
         "aten.rnn_tanh_cell aten.rnn_relu_cell aten.prelu aten._prelu_kernel",
     ),
-    _group(
+    op_group(
         NORM, DENY,
         "normalisation: mean/variance statistics lose precision in 16 bits",
         "aten.batch_norm aten.native_batch_norm aten._native_batch_norm_legit "
@@ -89,12 +96,12 @@ FX_GROUPS: tuple[OpGroup, ...] = (
         "aten.native_group_norm aten.instance_norm aten.rms_norm aten._fused_rms_norm "
         "aten.local_response_norm",
     ),
-    _group(
+    op_group(
         "softmax", DENY,
         "softmax family: exp of large logits overflows and the normalising sum loses precision",
         "aten.softmax aten._softmax aten.log_softmax aten._log_softmax aten._safe_softmax",
     ),
-    _group(
+    op_group(
         "loss", DENY,
         "loss: computed in fp32 so small per-sample losses and their gradients survive",
         "aten.cross_entropy_loss aten.nll_loss aten.nll_loss2d aten.nll_loss_nd "
@@ -104,14 +111,14 @@ FX_GROUPS: tuple[OpGroup, ...] = (
         "aten.hinge_embedding_loss aten.cosine_embedding_loss aten.poisson_nll_loss "
         "aten.ctc_loss aten.multi_margin_loss aten.triplet_margin_loss",
     ),
-    _group(
+    op_group(
         "transcendental", DENY,
         "|f(x)| can be far larger or smaller than |x|: the result leaves the 16-bit range",
         "aten.exp aten.exp2 aten.expm1 aten.log aten.log10 aten.log1p aten.log2 aten.pow "
         "aten.reciprocal aten.rsqrt aten.sinh aten.cosh aten.tan aten.acos aten.asin "
         "aten.erfinv aten.softplus aten.xlogy aten.special_xlog1py aten.logit",
     ),
-    _group(
+    op_group(
         "reduction", DENY,
         "large reduction: a 16-bit accumulator drops the small terms",
         "aten.sum aten.mean aten.prod aten.cumsum aten.cumprod aten.norm "
@@ -120,7 +127,7 @@ FX_GROUPS: tuple[OpGroup, ...] = (
         "aten.nanmean aten.dist aten.cdist aten._cdist_forward aten.pdist aten.renorm "
         "aten.cosine_similarity",
     ),
-    _group(
+    op_group(
         "data", CLEAR,
         "moves or selects data without arithmetic: follows its neighbours' precision",
         "aten.view aten.reshape aten._unsafe_view aten.permute aten.transpose aten.t "

@@ -7,7 +7,10 @@ The ``no_grad`` regions export records are inlined right after export
 - ``structure``: flattening outputs (and inputs) of any structure, rebuilding them;
 - ``hf_caches``: HuggingFace cache objects as pytree nodes;
 - ``state``: ``preserved_global_state``, around every export attempt;
-- ``codegen``: the Python that runs a graph once the passes are done (``direct_runner``).
+- ``codegen``: the Python that runs a graph once the passes are done (``direct_runner``);
+- ``fallback``: the eager plan of a model export refuses whole (each child compiled alone);
+- ``generate``: HuggingFace ``generate`` (a method calling ``self(...)``) run through the
+  compiled module.
 """
 
 from __future__ import annotations

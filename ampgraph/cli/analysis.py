@@ -31,7 +31,8 @@ import torch
 from torch import fx
 
 from ampgraph.config import dtype_name
-from ampgraph.module import Compiled, node_rows
+from ampgraph.module import Compiled
+from ampgraph.node_rows import node_rows
 from passes.fx.dtypes import dtype_of
 from passes.fx.graph import op_key
 

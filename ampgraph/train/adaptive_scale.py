@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 from ampgraph.runtime.grad_scale import GradScaleEdge
-from ampgraph.train.loss_scale import LossScaleManager, _found_inf, _real, _scale_value
+from ampgraph.train.loss_scale.base import LossScaleManager, overflow_flag
+from ampgraph.train.loss_scale.values import real, scale_value
 from passes.fx.grad_scale import insert_grad_scales
 
 __all__ = ["AdaptiveLossScaleManager"]
@@ -92,16 +93,16 @@ class AdaptiveLossScaleManager(LossScaleManager):
         per_layer: bool = False,
     ) -> None:
         owner = type(self).__name__
-        init = _scale_value(owner, "init_loss_scale", init_loss_scale)
-        low = _scale_value(owner, "min_loss_scale", min_loss_scale)
-        high = _scale_value(owner, "max_loss_scale", max_loss_scale)
+        init = scale_value(owner, "init_loss_scale", init_loss_scale)
+        low = scale_value(owner, "min_loss_scale", min_loss_scale)
+        high = scale_value(owner, "max_loss_scale", max_loss_scale)
         if not low <= init <= high:
             raise ValueError(f"{owner}: need min_loss_scale <= init_loss_scale <= "
                              f"max_loss_scale, got {low!r}, {init!r}, {high!r}")
-        hyst = _real(owner, "hysteresis", hysteresis, "an integer >= 1")
+        hyst = real(owner, "hysteresis", hysteresis, "an integer >= 1")
         if not hyst.is_integer() or not 1 <= hyst <= 2**30:
             raise ValueError(f"{owner}: hysteresis must be an integer >= 1, got {hysteresis!r}")
-        thr = _real(owner, "underflow_threshold", underflow_threshold, "a number in [0, 1)")
+        thr = real(owner, "underflow_threshold", underflow_threshold, "a number in [0, 1)")
         if not 0.0 <= thr < 1.0:
             raise ValueError(f"{owner}: underflow_threshold must be in [0, 1), "
                              f"got {underflow_threshold!r}")
@@ -222,7 +223,7 @@ class AdaptiveLossScaleManager(LossScaleManager):
             >>> m.get_loss_scale()
             2.0
         """
-        found = _found_inf(overflow, self._scale) > 0
+        found = overflow_flag(overflow, self._scale) > 0
         scale = self._scale
         left = torch.where(found, self._left - 1, self.hysteresis)
         backoff = found & (left <= 0)

@@ -15,31 +15,31 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto
 
-from passes.policy import ALLOW, CLEAR, DENY, NORM, OpGroup, OpTable, _group
+from passes.policy import ALLOW, CLEAR, DENY, NORM, OpGroup, OpTable, op_group
 
 ONNX_GROUPS: tuple[OpGroup, ...] = (
-    _group(
+    op_group(
         "matmul", ALLOW,
         "matrix multiply: Tensor Cores run it several times faster and accumulate in fp32",
         "MatMul Gemm Einsum FusedMatMul FusedGemm",
     ),
-    _group(
+    op_group(
         "conv", ALLOW,
         "convolution: Tensor Cores run it several times faster and accumulate in fp32",
         "Conv ConvTranspose FusedConv NhwcConv",
     ),
-    _group(
+    op_group(
         "attention", ALLOW,
         "fused attention: matmul-bound, its kernels keep softmax statistics in fp32",
         "Attention MultiHeadAttention GroupQueryAttention PackedAttention "
         "PackedMultiHeadAttention DecoderMaskedMultiHeadAttention",
     ),
-    _group(
+    op_group(
         "rnn", ALLOW,
         "recurrent cells: a matmul per step dominates",
         "LSTM GRU RNN PRelu",
     ),
-    _group(
+    op_group(
         NORM, DENY,
         "normalisation: mean/variance statistics lose precision in 16 bits",
         "BatchNormalization LayerNormalization GroupNormalization InstanceNormalization "
@@ -47,33 +47,33 @@ ONNX_GROUPS: tuple[OpGroup, ...] = (
         "SkipSimplifiedLayerNormalization LpNormalization MeanVarianceNormalization LRN "
         "GroupNorm SkipGroupNorm EmbedLayerNormalization",
     ),
-    _group(
+    op_group(
         "softmax", DENY,
         "softmax family: exp of large logits overflows and the normalising sum loses precision",
         "Softmax LogSoftmax",
     ),
-    _group(
+    op_group(
         "loss", DENY,
         "loss: computed in fp32 so small per-sample losses survive",
         "SoftmaxCrossEntropyLoss NegativeLogLikelihoodLoss",
     ),
-    _group(
+    op_group(
         "transcendental", DENY,
         "|f(x)| can be far larger or smaller than |x|: the result leaves the 16-bit range",
         "Exp Log Pow Reciprocal Softplus Sinh Cosh Tan Acos Asin Acosh Asinh Atanh",
     ),
-    _group(
+    op_group(
         "reduction", DENY,
         "large reduction: a 16-bit accumulator drops the small terms",
         "ReduceSum ReduceMean ReduceProd ReduceL1 ReduceL2 ReduceLogSum ReduceLogSumExp "
         "ReduceSumSquare CumSum",
     ),
-    _group(
+    op_group(
         "index", DENY,
         "computes counts or coordinates: 16-bit rounding changes the number of elements",
         "Range",
     ),
-    _group(
+    op_group(
         "data", CLEAR,
         "moves or selects data without arithmetic: follows its neighbours' precision",
         "Reshape Transpose Squeeze Unsqueeze Flatten Concat Split Slice Gather GatherElements "

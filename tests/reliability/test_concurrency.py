@@ -185,7 +185,7 @@ def test_two_training_forwards_racing_for_the_weight_buffer(monkeypatch):
     """The race made deterministic: both threads pick the weight's buffer before either casts
     into it; thread 1 casts after thread 0's forward, so thread 0's saved weight is
     overwritten in place before its backward."""
-    import ampgraph.runtime.cpu.weights as weights
+    from ampgraph.runtime.cpu.cast import CastInto
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))  # backward reads layer 1's weight
@@ -196,7 +196,7 @@ def test_two_training_forwards_racing_for_the_weight_buffer(monkeypatch):
     both_picked = threading.Barrier(2)
     forward_done = [threading.Event(), threading.Event()]
     who = threading.local()
-    real = weights._CastInto.apply
+    real = CastInto.apply
 
     def apply_after_both_picked(param: torch.Tensor, buffer: torch.Tensor, *rest
                                 ) -> torch.Tensor:
@@ -216,7 +216,7 @@ def test_two_training_forwards_racing_for_the_weight_buffer(monkeypatch):
         forward_done[1 - i].wait(timeout=10)
         out.sum().backward()
 
-    monkeypatch.setattr(weights._CastInto, "apply", apply_after_both_picked)
+    monkeypatch.setattr(CastInto, "apply", apply_after_both_picked)
     in_threads(work, n=2)
     sequential = ampgraph.compile(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), "O2", "bf16")
     sequential.load_state_dict(model.state_dict())

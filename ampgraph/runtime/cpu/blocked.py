@@ -1,11 +1,11 @@
 """Products with a weight too large for a whole low-precision copy, a block at a time.
 
-:class:`ampgraph.runtime.cpu.weights._Linear` runs a weight of ``weights.BLOCKED_NUMEL``
+:class:`ampgraph.runtime.cpu.linear.AmpLinear` runs a weight of ``linear.BLOCKED_NUMEL``
 elements or more (and a first layer's larger than the scratch) through these: each block
 of the fp32 master is cast into a pooled scratch of at most ``SCRATCH_NUMEL`` elements
 that feeds the columns (or rows) of the product it makes, so no whole low-precision copy
 of the weight, nor of its gradient, exists. ``pooled(shape, dtype, device)`` hands out a
-scratch nothing else holds (``WeightCache._pooled``). The values are those of aten's
+scratch nothing else holds (``WeightCache.pooled``). The values are those of aten's
 products on the whole cast weight up to the kernels' summation order.
 """
 

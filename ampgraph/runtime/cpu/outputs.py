@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ampgraph.runtime.cpu.buffers import take_free
-from ampgraph.runtime.cpu.weights import _CastInto
+from ampgraph.runtime.cpu.cast import CastInto
 
 # glibc's largest mmap threshold: a fresh allocation this large always faults its pages in
 OUTPUT_BYTES = 32 << 20
@@ -51,7 +51,7 @@ class OutputBuffers:
                             lambda: torch.empty(x.shape, dtype=dtype, device=x.device),
                             KEPT_PER_OUTPUT)
         if x.requires_grad and torch.is_grad_enabled():
-            return _CastInto.apply(x, out)
+            return CastInto.apply(x, out)
         return out.copy_(x)
 
     def clear(self) -> None:

@@ -9,18 +9,20 @@ The graph's parameter casts call :meth:`WeightCache.cast` instead of ``aten._to_
   before its first use (``route_weight_casts``): it lives from there until backward, so
   the weights of later layers are not live at a peak in the middle of forward. Its
   backward hands the master an fp32 gradient with the master's strides (the copy may be
-  channels-last).
+  channels-last; ``cast.py``'s ``CastInto``).
 
 Linear layers whose weight is cast for them alone call :meth:`WeightCache.amp_linear`: the
-cast, the linear and the conversion of its weight gradient in one autograd function. Its
+cast, the linear and the conversion of its weight gradient in one autograd function
+(``linear.py``'s ``AmpLinear``). Its
 working copy is kept between steps when a fresh one could fault its pages in (above
 ``KEPT_COPY_BYTES``); a buffer still referenced by a live autograd graph (two forwards
 before one backward) is never overwritten, a new one is made. A weight of
-``BLOCKED_NUMEL`` elements or more is cast block by block, in forward and again in
+``linear.BLOCKED_NUMEL`` elements or more is cast block by block, in forward and again in
 backward (``blocked.py``), so no whole low-precision copy of it exists. The gradient of a
 weight of ``KEPT_GRAD_NUMEL`` elements or more goes into a buffer kept between steps while
 the last gradient lives through forward anyway (zero_grad after forward), unless other
-nodes use the weight too (tied embeddings); other gradients are fresh tensors, as
+nodes use the weight too (tied embeddings; an embedding table's through
+``embedding.py``'s ``AmpEmbedding``); other gradients are fresh tensors, as
 autograd's own (docs/performance.md#kept-buffers). A weight or table too small for any of
 this trains as autocast's
 (a cast, aten's linear or embedding): autograd's own backward, with no Python in it.
@@ -34,171 +36,28 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
-from ampgraph.runtime.cpu import blocked, packed
+from ampgraph.runtime.cpu import packed
 from ampgraph.runtime.cpu.buffers import take_free
+from ampgraph.runtime.cpu.cast import CastInto
+from ampgraph.runtime.cpu.embedding import AmpEmbedding
+from ampgraph.runtime.cpu.linear import AmpLinear, blockable
 from ampgraph.runtime.tensors import empty_as
 
 _linear = torch.nn.functional.linear  # aten.linear's generated binding: no OpOverload frame
 
 
-class _CastInto(torch.autograd.Function):
-    """``buffer <- param`` as a differentiable cast; backward converts the gradient to the
-    param's dtype and strides (which the buffer's may not have: a channels-last copy)."""
-
-    @staticmethod
-    def forward(ctx: Any, param: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
-        ctx.dtype, ctx.stride = param.dtype, param.stride()
-        buffer.copy_(param)
-        return buffer.view_as(buffer)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        out = torch.empty_strided(grad.shape, ctx.stride, dtype=ctx.dtype, device=grad.device)
-        return out.copy_(grad), None
-
-
-class _Linear(torch.autograd.Function):
-    """``linear(x, low(w_master), low(b_master))`` with the casts and the conversion of the
-    gradients fused in (a bias already in ``x``'s dtype is used as it is).
-
-    A weight below ``BLOCKED_NUMEL`` elements is cast into its working copy (see
-    :meth:`WeightCache.working_copy`; unless backward would not read it, see
-    :func:`_blockable`), which ``aten.linear`` uses and backward keeps; once
-    backward has made ``grad_input`` the copy is dead, and ``grad_out.T @ input`` is
-    computed into it before its conversion to fp32 (no fresh low-precision gradient). A
-    larger one never exists in the low dtype as a whole: forward casts it block of rows by
-    block of rows into a small pooled scratch, each block feeding the columns of the output
-    it makes; backward saves the fp32 master itself (so autograd checks it is unchanged, as
-    for an fp32 linear) and casts it again, block of columns by block of columns, for
-    ``grad_out @ w``, and computes ``grad_out.T @ input`` block of rows by block of rows
-    into the scratch, each block converted straight into the fp32 gradient. The values are
-    those of ``aten.linear`` on the whole cast weight up to the kernels' summation order.
-    A backward that builds a graph (``create_graph``, a gradient penalty) computes the
-    gradients as plain differentiable ops of the fp32 master instead.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
-                cache: WeightCache, shared: bool) -> torch.Tensor:
-        cast_bias = b is not None and b.dtype != x.dtype  # an fp32 master bias: cast here too
-        cache.drop_inference_copies(w, *([b] if cast_bias else []))  # stale after the update
-        bl = cache.working_copy(b, x.dtype) if cast_bias else b
-        ctx.bias_dtype = b.dtype if b is not None else None
-        ctx.w_dtype = w.dtype
-        ctx.cache = cache
-        ctx.blocked = _blockable(x, w, ctx.needs_input_grad[0])
-        ctx.w_ref = cache.keep_grad(w, shared)
-        ctx.master = w  # not saved: an update before backward is allowed, as autocast's
-        if ctx.blocked:  # backward reads the master only for grad_input
-            ctx.save_for_backward(x, w if ctx.needs_input_grad[0] else None)
-            return blocked.linear(x, w, bl, cache._pooled)
-        wl = cache.working_copy(w, x.dtype)
-        ctx.wl_owned = wl.data_ptr() != w.data_ptr()
-        ctx.save_for_backward(x, wl)
-        return _linear(x, wl, bl)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        x, wl = ctx.saved_tensors
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        gx = gw = gb = None
-        grad2 = grad.reshape(-1, grad.shape[-1])
-        x2 = x.reshape(-1, x.shape[-1])
-        # create_graph (a gradient penalty differentiates these again): plain ops, and the
-        # weight's share through its master, to which the working copy has no graph
-        graph = torch.is_grad_enabled()
-        in_blocks = ctx.blocked and not graph
-        if graph:
-            wl = ctx.master.to(grad.dtype)
-        if need_x:
-            if in_blocks:  # wl is the fp32 master
-                gx = blocked.grad_input(grad2, wl, ctx.cache._pooled).view(
-                    *grad.shape[:-1], -1)
-            else:  # on the 2-D view: matmul would expand wl per batch for a strided grad
-                gx = torch.mm(grad2, wl).view(*grad.shape[:-1], -1)
-        if need_w:
-            out = None if graph else ctx.cache.kept_grad(ctx.w_ref)
-            if in_blocks:
-                gw = blocked.weight_grad(grad2, x2, ctx.w_dtype, out, ctx.cache._pooled)
-            else:  # into the working copy once nothing reads it again, else a fresh tensor
-                low = torch.mm(grad2.t(), x2, out=wl) \
-                    if not graph and _dead(wl, ctx.wl_owned) else grad2.t().mm(x2)
-                gw = low.to(ctx.w_dtype) if out is None else out.copy_(low)
-        if need_b and ctx.bias_dtype is not None:
-            gb = grad2.sum(0).to(ctx.bias_dtype)  # summed in the low dtype, as aten's
-        return gx, gw, gb, None, None
-
-
-class _Embedding(torch.autograd.Function):
-    """``aten.embedding(w, ids, padding_idx)`` whose backward sums the rows' gradients into
-    ``w``'s kept gradient buffer (zeroed first) when :meth:`WeightCache.keep_grad` keeps
-    one, else into a fresh table as aten's (``index_add_`` either way, as aten's CPU
-    embedding backward: the same sums in the same order)."""
-
-    @staticmethod
-    def forward(ctx: Any, w: torch.Tensor, ids: torch.Tensor, padding_idx: int,
-                cache: WeightCache, shared: bool) -> torch.Tensor:
-        ctx.save_for_backward(ids)
-        ctx.w_ref = cache.keep_grad(w, shared)
-        ctx.padding_idx, ctx.cache, ctx.rows = padding_idx, cache, w.shape[0]
-        return torch.embedding(w, ids, padding_idx)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        (ids,) = ctx.saved_tensors
-        out = ctx.cache.kept_grad(ctx.w_ref)
-        if out is None:
-            gw = torch.ops.aten.embedding_dense_backward.default(
-                grad, ids, ctx.rows, ctx.padding_idx, False)
-            return gw, None, None, None, None
-        flat = ids.reshape(-1)
-        rows = grad.reshape(-1, grad.shape[-1])
-        if ctx.padding_idx >= 0:  # the padding row gets no gradient
-            rows = rows.masked_fill((flat == ctx.padding_idx).unsqueeze(1), 0)
-        return out.zero_().index_add_(0, flat, rows.to(out.dtype)), None, None, None, None
-
-
-def _dead(wl: torch.Tensor, owned: bool) -> bool:
-    """Whether :class:`_Linear`'s backward may write the weight gradient over the working
-    copy ``wl`` once it has made ``grad_input``: a contiguous copy of the cache's own (not
-    the weight itself) that no later backward reads (the graph is not retained). The next
-    forward casts into it afresh."""
-    keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
-    return owned and wl.is_contiguous() and keep_graph is not None and not keep_graph()
-
-
 def _small(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether a training linear on ``w`` runs as autocast's does, a fresh cast of the
     weight and aten's linear, with autograd's own backward: its copy is not kept (below
-    ``KEPT_COPY_BYTES``), nor its gradient, nor is it blocked, so :class:`_Linear` would add
-    only its Python (docs/performance.md#weight-casts-at-first-use)."""
+    ``KEPT_COPY_BYTES``), nor its gradient, nor is it blocked, so :class:`AmpLinear` would
+    add only its Python (docs/performance.md#weight-casts-at-first-use)."""
     return (w.numel() * x.dtype.itemsize < KEPT_COPY_BYTES and w.numel() < KEPT_GRAD_NUMEL
-            and not _blockable(x, w, x.requires_grad))
+            and not blockable(x, w, x.requires_grad))
 
 
-def _blockable(x: torch.Tensor, w: torch.Tensor, need_x: bool) -> bool:
-    """Whether :class:`_Linear` runs ``w`` in blocks: a plain 2-D weight, an input with a
-    batch dimension, both on the CPU (where fresh or extra weight-sized memory costs page
-    faults; a GPU runs one large product faster than many small ones), and either a large
-    weight or one larger than the scratch whose backward never reads a copy: the input
-    needs no gradient (a network's first layer), so autocast's copy dies after forward,
-    and a kept one would be live at the backward's peak (a smaller one would keep a
-    pooled scratch its size instead)."""
-    size = w.numel() >= BLOCKED_NUMEL or not need_x and w.numel() > blocked.SCRATCH_NUMEL
-    return (size and w.dim() == 2 and x.dim() >= 2
-            and w.layout == torch.strided and x.layout == torch.strided
-            and w.device.type == "cpu" and x.device.type == "cpu")
-
-
-# Weights of BLOCKED_NUMEL elements or more are cast, and their gradients computed, in
-# blocks: no whole low-precision copy of them exists (a 7B model's 32000x4096 head: 262 MB).
-# Below it one whole product is faster, and its working copy costs no more than autocast's
-# cast, which autocast keeps from forward until backward (docs/performance.md#blocked-products).
-BLOCKED_NUMEL = 1 << 26
 # A fresh gradient of 32 MiB or more (glibc's largest mmap threshold) is mmapped, and its
 # pages fault in, every step; from 16 MiB often enough too: kept buffers pay from there
 # (docs/performance.md#kept-buffers).
@@ -243,7 +102,7 @@ class WeightCache:
                 return p.to(dtype, memory_format=memory_format or torch.preserve_format)
             with torch.inference_mode(False):
                 buf = empty_as(p, dtype, memory_format)
-            return _CastInto.apply(p, buf)
+            return CastInto.apply(p, buf)
         return self._inference_copy(p, ("infer", dtype, memory_format), lambda d: d.to(
             dtype, memory_format=memory_format or torch.preserve_format))
 
@@ -263,11 +122,12 @@ class WeightCache:
     def amp_linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
                    shared: bool = False) -> torch.Tensor:
         """``aten.linear(x, w.to(x.dtype), b)`` for an fp32 master weight ``w`` (see
-        :class:`_Linear`; ``shared``: other nodes use ``w`` too); without gradients, the
+        :class:`~ampgraph.runtime.cpu.linear.AmpLinear`; ``shared``: other nodes use ``w``
+        too); without gradients, the
         inference working copy is used, packed for oneDNN where it runs the dtype."""
         training = torch.is_grad_enabled() and w.requires_grad
         if training and not _small(x, w):
-            return _Linear.apply(x, w, b, self, shared)
+            return AmpLinear.apply(x, w, b, self, shared)
         b = self.cast(b, x.dtype) if b is not None else None
         if training:  # a small weight trains as autocast's: a fresh copy (cast also drops
             # the inference copies, packed or not), aten's linear and its backward
@@ -286,16 +146,17 @@ class WeightCache:
 
     def amp_embedding(self, w: torch.Tensor, ids: torch.Tensor, padding_idx: int = -1,
                       shared: bool = False) -> torch.Tensor:
-        """``aten.embedding(w, ids, padding_idx)`` on an fp32 table (see :class:`_Embedding`;
+        """``aten.embedding(w, ids, padding_idx)`` on an fp32 table (see
+        :class:`~ampgraph.runtime.cpu.embedding.AmpEmbedding`;
         ``shared``: other nodes use ``w`` too); a table too small for its gradient to be
         kept is aten's, whose backward needs no Python."""
         if torch.is_grad_enabled() and w.requires_grad and w.numel() >= KEPT_GRAD_NUMEL:
-            return _Embedding.apply(w, ids, padding_idx, self, shared)
+            return AmpEmbedding.apply(w, ids, padding_idx, self, shared)
         return torch.embedding(w, ids, padding_idx)  # aten's own backward
 
-    def _pooled(self, shape: tuple, dtype: torch.dtype, device: torch.device
-                ) -> torch.Tensor:
-        """A view of a pooled buffer of ``shape`` that nothing else holds."""
+    def pooled(self, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A view of a pooled scratch of ``shape`` that nothing else holds (the blocks of
+        :class:`~ampgraph.runtime.cpu.linear.AmpLinear`'s blocked products)."""
         with self._lock:
             return take_free(self._scratch.setdefault((shape, dtype, device), []),
                              lambda buf: True,

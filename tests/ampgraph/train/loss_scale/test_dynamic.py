@@ -1,4 +1,5 @@
-"""Loss-scale managers: MindSpore defaults, GradScaler equivalence, floor, growth cap, state."""
+"""ampgraph/train/loss_scale/dynamic.py: MindSpore's defaults but GradScaler's first scale,
+GradScaler equivalence, floor, growth cap, state."""
 
 from __future__ import annotations
 
@@ -7,17 +8,11 @@ import random
 import pytest
 import torch
 
-from ampgraph.train.loss_scale import DynamicLossScaleManager, FixedLossScaleManager
+from ampgraph.train.loss_scale import DynamicLossScaleManager
 from tests.helpers import SyncCounter
-
-FP32_MAX = torch.finfo(torch.float32).max
-
-
 
 
 def test_defaults_mindspore_but_grad_scalers_start():
-    fixed = FixedLossScaleManager()
-    assert fixed.get_loss_scale() == 128.0 and fixed.get_drop_overflow_update() is True
     dyn = DynamicLossScaleManager()
     assert dyn.get_loss_scale() == 2.0**16  # GradScaler's: fp16 loses no first steps
     assert DynamicLossScaleManager(init_loss_scale=2**24).get_loss_scale() == 2.0**24
@@ -112,38 +107,6 @@ def test_tensor_update_needs_no_host_sync():
     assert counter.syncs == 0
 
 
-def test_fixed_manager_never_changes():
-    m = FixedLossScaleManager(loss_scale=1024, drop_overflow_update=False)
-    for flag in (True, False, torch.tensor(1.0)):
-        m.update_loss_scale(flag)
-    assert m.get_loss_scale() == 1024.0 and m.get_drop_overflow_update() is False
-
-
-@pytest.mark.parametrize(
-    "factory, match",
-    [
-        (lambda: FixedLossScaleManager(0.5), "loss_scale must be a finite number >= 1"),
-        (lambda: FixedLossScaleManager(float("inf")), "loss_scale must be a finite number"),
-        (lambda: FixedLossScaleManager("128"), "loss_scale must be a finite number"),
-        (lambda: FixedLossScaleManager(None), "loss_scale must be a finite number"),
-        (lambda: FixedLossScaleManager(1e39), "fp32 maximum"),
-        (lambda: FixedLossScaleManager(8, drop_overflow_update=1), "True or False"),
-        (lambda: DynamicLossScaleManager(0), "init_loss_scale must be a finite number >= 1"),
-        (lambda: DynamicLossScaleManager(True), "init_loss_scale must be"),
-        (lambda: DynamicLossScaleManager(float("nan")), "init_loss_scale must be"),
-        (lambda: DynamicLossScaleManager(scale_factor=1), "scale_factor must be a finite number >"),
-        (lambda: DynamicLossScaleManager(scale_factor=0.5), "scale_factor must be"),
-        (lambda: DynamicLossScaleManager(scale_factor="2"), "scale_factor must be"),
-        (lambda: DynamicLossScaleManager(scale_window=0), "scale_window must be an integer >= 1"),
-        (lambda: DynamicLossScaleManager(scale_window=2.5), "scale_window must be an integer"),
-        (lambda: DynamicLossScaleManager(scale_window=[1]), "scale_window must be an integer"),
-    ],
-)
-def test_invalid_arguments_say_what_is_allowed(factory, match):
-    with pytest.raises(ValueError, match=match):
-        factory()
-
-
 def test_update_rejects_bad_flags():
     m = DynamicLossScaleManager()
     with pytest.raises(ValueError, match="one-element tensor"):
@@ -176,18 +139,6 @@ def test_dynamic_state_dict_resumes_exactly():
     assert got == expected
 
 
-def test_fixed_state_dict_round_trip_and_wrong_type():
-    saved = FixedLossScaleManager(16, drop_overflow_update=False).state_dict()
-    m = FixedLossScaleManager()
-    m.load_state_dict(saved)
-    assert m.get_loss_scale() == 16.0 and m.drop_overflow_update is False
-    with pytest.raises(ValueError, match="missing keys"):
-        DynamicLossScaleManager().load_state_dict(saved)
-    bad = {**DynamicLossScaleManager().state_dict(), "scale_window": 0}
-    with pytest.raises(ValueError, match="scale_window"):
-        DynamicLossScaleManager().load_state_dict(bad)
-
-
 def test_load_state_dict_keeps_tensor_identity():
     m = DynamicLossScaleManager()
     scale, tracker = m.scale, m.growth_tracker
@@ -198,7 +149,6 @@ def test_load_state_dict_keeps_tensor_identity():
 
 def test_repr_names_the_state():
     assert "scale_window=2000" in repr(DynamicLossScaleManager())
-    assert "loss_scale=128.0" in repr(FixedLossScaleManager())
 
 
 def test_min_loss_scale_floors_the_backoff_and_round_trips():

@@ -1,0 +1,49 @@
+"""The report's rows: one per original graph node, with its precision and the reason.
+
+``explain`` (``report.py``) and ``ampgraph inspect`` (``cli/analysis.py``) read a compiled
+graph through :func:`node_rows`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ampgraph.config import dtype_name
+from ampgraph.module import Compiled
+from passes.fx.dtypes import dtype_of
+from passes.fx.graph import module_info, op_key
+from passes.policy import FP32, LOW, NA
+
+
+def node_rows(prefix: str, compiled: Compiled, low: torch.dtype) -> list[dict[str, str]]:
+    """One row per original graph node: name, op, module, precision, reason.
+
+    Example:
+        >>> graphs, _ = net.amp_parts()  # doctest: +SKIP
+        >>> node_rows(*graphs[0], torch.bfloat16)[0]["precision"]  # doctest: +SKIP
+        'bf16'
+    """
+    rows = []
+    for node in compiled.gm.graph.nodes:
+        if node.op in ("output", "call_module") or node.meta.get("amp_cast"):
+            continue
+        decision = compiled.decisions.get(node.name)
+        path, _ = module_info(node)
+        if node.op == "get_attr":
+            path = node.target.rpartition(".")[0]
+        module = ".".join(p for p in (prefix, path) if p)
+        # meta starts as the painter's decision; later passes (norm cast fusion) amend it
+        precision = node.meta.get("amp_precision", decision.precision if decision else NA)
+        reason = node.meta.get("amp_reason", decision.reason if decision else "")
+        if precision == LOW:
+            precision = dtype_name(low)
+        elif precision == NA and decision is not None:
+            now = dtype_of(node)
+            if now in (torch.float32, torch.float16, torch.bfloat16):
+                precision = dtype_name(now)
+        elif precision == FP32:
+            precision = "fp32"
+        op = node.meta.get("amp_orig_op") or op_key(node)  # a fused op shows what it runs
+        rows.append({"name": node.name, "op": op if node.op == "call_function" else node.op,
+                     "module": module, "precision": precision, "reason": reason})
+    return rows

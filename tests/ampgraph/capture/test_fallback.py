@@ -1,0 +1,131 @@
+"""ampgraph/capture/fallback.py: models that cannot be exported whole fall back per
+submodule (the eager plan), and say so."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import ampgraph
+from ampgraph.capture.fallback import compiled_children, eager_plan
+from tests.helpers import MATMUL_OPS, cosine, record
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x):
+        return self.norm(torch.relu(self.fc(x)) + x)
+
+
+class DataDependent(nn.Module):
+    """The number of blocks run depends on the input's values: not exportable."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.embed = nn.Linear(8, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(3))
+        self.head = nn.Linear(d, 4)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for block in self.blocks:
+            if h.abs().mean() > 10:  # data-dependent Python control flow
+                break
+            h = block(h)
+        return self.head(h)
+
+
+def test_data_dependent_model_compiles_matches_fp32_and_explain_names_eager_part():
+    torch.manual_seed(0)
+    model = DataDependent().eval()
+    net = ampgraph.compile(model, "O2", "bf16")
+    x = torch.randn(5, 8)
+    with pytest.warns(UserWarning, match="could not be captured whole"):
+        with torch.no_grad():
+            out, rec = record(lambda: net(x))
+    with torch.no_grad():
+        ref = model(x)
+    assert out.dtype == torch.float32
+    assert cosine(out, ref) >= 0.999
+    assert {d[0] for _, d in rec.inputs_of(MATMUL_OPS)} == {torch.bfloat16}, \
+        "the submodules still run their matmuls in bf16"
+    report = ampgraph.explain(net)
+    eager = {e.path: e for e in report.eager}
+    assert "<root>" in eager and "export failed" in eager["<root>"].reason
+    assert "DataDependent" == eager["<root>"].module_type
+    modules = {r["module"] for r in report.nodes}
+    assert {"embed", "head", "blocks.0.fc", "blocks.2.norm"} <= modules
+    assert "EAGER" in str(report)
+    # batch size changes and training still work
+    net.train()
+    y = net(torch.randn(3, 8))
+    y.sum().backward()
+    assert model.head.weight.grad is not None
+
+
+def test_explain_with_inputs_on_eager_model_keeps_buffers():
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+
+    class Wrapper(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = model
+
+        def forward(self, x):
+            return self.inner(x) if x.sum() > -1e9 else x
+
+    w = Wrapper().train()
+    net = ampgraph.compile(w, "O2", "bf16")
+    stats = model[1].running_mean.clone()
+    with pytest.warns(UserWarning):
+        report = ampgraph.explain(net, torch.randn(4, 4))
+    assert torch.equal(stats, model[1].running_mean), "explain must not update running stats"
+    assert report.eager and any(r["op"] == "aten.linear" for r in report.nodes)
+
+
+class Marked(nn.Identity):
+    """What the tests' ``compile_child`` returns: the child and its path."""
+
+    def __init__(self, child: nn.Module, path: str):
+        super().__init__()
+        self.child, self.path = child, path
+
+
+def test_the_plan_copies_containers_and_compiles_each_child_with_its_path():
+    model = DataDependent()
+    model.add_module("unused", None)
+    before = dict(model._modules)
+    plan = eager_plan(model, "net", Marked)
+    assert plan is not model and type(plan) is DataDependent
+    assert plan.embed.child is model.embed and plan.embed.path == "net.embed"
+    assert plan.head.path == "net.head"
+    assert isinstance(plan.blocks, nn.ModuleList) and plan.blocks is not model.blocks, \
+        "a container without a forward is copied, its children compiled"
+    assert [b.path for b in plan.blocks] == ["net.blocks.0", "net.blocks.1", "net.blocks.2"]
+    assert [b.child for b in plan.blocks] == list(model.blocks)
+    assert plan._modules["unused"] is None
+    assert model._modules == before and model.blocks[0].fc is model.blocks[0]._modules["fc"], \
+        "the model keeps its own children"
+
+
+def test_a_root_path_names_children_plainly_and_a_leaf_runs_as_it_is():
+    plan = eager_plan(DataDependent(), "", Marked)
+    assert plan.embed.path == "embed" and plan.blocks[1].path == "blocks.1"
+    leaf = nn.Linear(2, 2)
+    alone = eager_plan(leaf, "", Marked)
+    assert alone is not leaf and alone.weight is leaf.weight and not list(alone.children())
+
+
+def test_compiled_children_are_the_outermost_of_their_kind():
+    plan = eager_plan(DataDependent(), "", Marked)
+    found = compiled_children(plan, Marked)
+    assert [m.path for m in found] == ["embed", "blocks.0", "blocks.1", "blocks.2", "head"]
+    nested = Marked(nn.Sequential(Marked(nn.Identity(), "inner")), "outer")
+    holder = nn.Sequential(nn.Sequential(nested))
+    assert compiled_children(holder, Marked) == [nested], "not inside a found one"
+    assert compiled_children(nn.Linear(2, 2), Marked) == []

@@ -1,0 +1,59 @@
+"""ampgraph/node_rows.py: one report row per original graph node, with its precision."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import ampgraph
+from ampgraph.node_rows import node_rows
+
+KEYS = {"name", "op", "module", "precision", "reason"}
+
+
+def compiled_graph(dtype: str, level: str = "O2"):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.ReLU())
+    net = ampgraph.compile(model, level, dtype)
+    net(torch.randn(2, 4))
+    ((prefix, compiled),), _ = net.amp_parts()
+    assert prefix == ""
+    return compiled
+
+
+def test_one_row_per_original_node_and_none_for_the_inserted_casts():
+    compiled = compiled_graph("bf16")
+    rows = node_rows("", compiled, torch.bfloat16)
+    nodes = [n for n in compiled.gm.graph.nodes if n.op != "output"]
+    casts = [n.name for n in nodes if n.meta.get("amp_cast")]
+    assert casts, "O2 inserts casts"
+    assert [r["name"] for r in rows] == [n.name for n in nodes if n.name not in casts]
+    assert all(set(r) == KEYS for r in rows)
+
+
+@pytest.mark.filterwarnings("ignore:fp16 on a CPU:RuntimeWarning")
+def test_precisions_are_named_by_the_low_dtype_and_fp32():
+    for dtype, name in ((torch.bfloat16, "bf16"), (torch.float16, "fp16")):
+        rows = {r["name"]: r for r in node_rows("", compiled_graph(name), dtype)}
+        assert rows["linear"]["precision"] == name
+        assert rows["linear"]["op"] == "aten.linear"
+        assert rows["linear"]["reason"].startswith("allow list")
+        assert rows["layer_norm"]["precision"] == "fp32"
+        assert rows["_0_weight"]["precision"] == "fp32"  # the master weight
+
+
+def test_modules_are_joined_to_the_prefix_and_parameters_name_their_owner():
+    rows = {r["name"]: r for r in node_rows("encoder", compiled_graph("bf16"), torch.bfloat16)}
+    assert rows["linear"]["module"] == "encoder.0"
+    assert rows["layer_norm"]["module"] == "encoder.1"
+    assert (rows["_1_bias"]["op"], rows["_1_bias"]["module"]) == ("get_attr", "encoder.1")
+    assert rows["args_0"]["op"] == "placeholder" and rows["args_0"]["module"] == "encoder"
+    plain = {r["name"]: r for r in node_rows("", compiled_graph("bf16"), torch.bfloat16)}
+    assert plain["linear"]["module"] == "0" and plain["args_0"]["module"] == ""
+
+
+def test_o0_runs_everything_in_fp32():
+    rows = node_rows("", compiled_graph("bf16", level="O0"), torch.bfloat16)
+    compute = [r for r in rows if r["op"].startswith("aten.")]
+    assert compute and {r["precision"] for r in compute} == {"fp32"}
