@@ -1,0 +1,51 @@
+"""Cast folding after cast insertion, duplicate and dead ops, and the count of the casts a
+graph holds."""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from passes._infra import PassResult
+from passes.fx._torch_internals import OpOverload, op_schema
+from passes.fx.dtypes import CAST, _widening, dtype_of, is_amp_cast
+from passes.fx.graph import is_view
+
+
+def fold_casts(gm: fx.GraphModule, recompile: bool = True) -> PassResult:
+    """Fold cast chains: casts to the producer's own dtype vanish, ``low -> fp32 -> low``
+    becomes the original low value. ``fp32 -> low -> fp32`` is kept: it changes values.
+
+    Example:
+        >>> fold_casts(gm).modified
+        True
+    """
+    modified = False
+    graph = gm.graph
+    # the casts, in graph order (cast insertion makes them all aten._to_copy, which the
+    # graph's own op index finds): the only nodes either walk below acts on
+    casts = [n for n in graph.find_nodes(op="call_function", target=CAST)
+             if n.meta.get("amp_cast")]
+    kept = []
+    for node in casts:
+        src = node.args[0]
+        target = node.kwargs["dtype"]
+        if dtype_of(src) == target:
+            node.replace_all_uses_with(src)
+            graph.erase_node(node)
+            modified = True
+        elif is_amp_cast(src) and dtype_of(src.args[0]) == target and _widening(
+            target, dtype_of(src)
+        ):
+            node.replace_all_uses_with(src.args[0])
+            graph.erase_node(node)
+            modified = True
+        else:
+            kept.append(node)
+    for node in kept:
+        if not node.users:
+            graph.erase_node(node)
+            modified = True
+    if modified and recompile:
+        gm.recompile()
+    return PassResult(gm, modified)

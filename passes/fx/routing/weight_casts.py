@@ -1,0 +1,64 @@
+"""Runtime routing: ops the runtime carries out its own way, called from the rewritten graph.
+
+- :func:`route_weight_casts`: parameter casts call the runtime's cast (in inference a
+  working copy refreshed only when the fp32 master weight changes), at their first use.
+- :func:`route_linears`: a linear casts its own weight and converts its weight gradient.
+- :func:`route_embeddings`: a lookup on a parameter table picks where its gradient goes.
+- :func:`route_attention`: attention calls the runtime's implementation, which picks the
+  kernel for the shapes it meets.
+- :func:`route_dropouts`: dropout calls the runtime's, which draws its mask faster.
+- :func:`route_output_casts`: the casts of the outputs back to their dtype call the
+  runtime's, which may write into a buffer it keeps.
+
+Each replaces matching nodes by a caller-supplied callable; the numbers are the runtime's
+to keep (the cast still happens, inside the callable, and stays counted).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import fx
+
+from passes._infra import PassResult
+from passes.fx.dtypes import CAST, dtype_of, is_amp_cast
+from passes.fx.graph import fetch_attr
+from passes.policy import LOW
+
+aten = torch.ops.aten
+
+
+def route_weight_casts(
+    gm: fx.GraphModule, cast_fn: Callable[..., Any], recompile: bool = True
+) -> PassResult:
+    """Replace ``_to_copy(get_attr, dtype)`` amp casts by ``cast_fn(get_attr, dtype)``
+    (passing on a ``memory_format`` the cast has), placed just before the first use.
+
+    After cast insertion every parameter is cast once per forward by ``aten._to_copy``;
+    routed, the runtime can keep a persistent low-precision working copy, refreshed only
+    when the fp32 master weight changes.
+
+    Example:
+        >>> route_weight_casts(gm, cache.cast)
+    """
+    modified = False
+    nodes = list(gm.graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    for node in nodes:
+        if not is_amp_cast(node) or node.args[0].op != "get_attr" or not node.users:
+            continue
+        layout = {k: v for k, v in node.kwargs.items() if k == "memory_format"}
+        # just before its first use, not hoisted with the others: a cast made in training
+        # lives from there until backward, as autocast's (all of them alive from the
+        # start would add the later layers' weights to a peak in the middle of forward)
+        with gm.graph.inserting_before(min(node.users, key=order.__getitem__)):
+            new = gm.graph.call_function(cast_fn, (node.args[0], node.kwargs["dtype"]), layout)
+        new.meta.update(node.meta)
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        modified = True
+    if modified and recompile:
+        gm.recompile()
+    return PassResult(gm, modified)
