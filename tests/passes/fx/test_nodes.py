@@ -1,0 +1,47 @@
+"""passes/fx/graph.py: the dataflow graph, op keys, meta helpers and prepare."""
+
+from __future__ import annotations
+
+import operator
+
+import networkx as nx
+import pytest
+import torch
+from torch import fx, nn
+
+from passes.fx.graph import (
+    _build_dataflow_unordered,
+    build_dataflow,
+    op_key,
+    prepare,
+    tensors,
+)
+from tests.helpers import make
+from tests.passes.fx.helpers import blocks, check_pass, in_place_graph
+
+
+def test_op_key_cache_is_keyed_by_the_target_itself():
+    g = fx.Graph()
+    x = g.placeholder("x")
+    keys = []
+    for name in ("first", "second"):
+        def fn(v):
+            return v
+        fn.__name__ = name
+        keys.append(op_key(g.call_function(fn, (x,))))
+        del fn  # a new function may reuse the id
+    assert keys == ["first", "second"]
+    assert op_key(x) == "x"
+
+
+def test_tensors_flattens_nested_values_in_order():
+    a, b, c = torch.zeros(1), torch.ones(1), torch.zeros(2)
+    assert [id(t) for t in tensors((a, [b, (None, c)], 3))] == [id(a), id(b), id(c)]
+    assert tensors(a)[0] is a and tensors(None) == [] and tensors([1, 2.0]) == []
+
+
+def test_getitem_key_is_cached_and_stays_getitem():
+    g = fx.Graph()
+    x = g.placeholder("x")
+    item = g.call_function(operator.getitem, (x, 0))
+    assert op_key(item) == op_key(item) == "getitem"
