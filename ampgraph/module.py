@@ -37,7 +37,7 @@ from ampgraph.runtime import Runtime, make_runtime
 from ampgraph.signature import SignedForward, signed_forward
 from passes.fx import run_amp_passes
 from passes.fx.dtypes import dtype_of
-from passes.fx.graph import module_info, op_key
+from passes.fx.nodes import module_info, op_key
 from passes.policy import FP32, LOW, NA
 
 MAX_GRAPHS_PER_SIGNATURE = 8

@@ -33,7 +33,7 @@ from torch import fx
 from ampgraph.config import dtype_name
 from ampgraph.module import Compiled, node_rows
 from passes.fx.dtypes import dtype_of
-from passes.fx.graph import op_key
+from passes.fx.nodes import op_key
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 

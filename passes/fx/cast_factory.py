@@ -17,7 +17,7 @@ from torch import fx
 from passes._infra import ConstantRangeWarning, PassError
 from passes.fx._torch_internals import CAN_RELINK, cast_node_name, create_node_hooks, relink
 from passes.fx.dtypes import CAST, _set_dtype, _widening, dtype_of
-from passes.fx.graph import explicit_cast_dtype, fetch_attr
+from passes.fx.nodes import explicit_cast_dtype, fetch_attr
 
 
 class _Caster:

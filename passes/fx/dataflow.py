@@ -1,21 +1,28 @@
-"""FX graph -> networkx dataflow graph for the painter, plus graph preparation."""
+"""FX graph -> networkx dataflow graph for the painter (``passes.paint``).
+
+One vertex per node, carrying its ``kind`` (source, compute or nonfloat: :func:`classify`),
+the reason, its op key and module; one edge per float input. Sources are graph inputs,
+parameters, explicit user casts and factories; nonfloat are int/bool/fp64 values.
+"""
 
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 import networkx as nx
 import torch
 from torch import fx
 
-from passes._infra import PassResult
-from passes.fx._torch_internals import (
-    TORCH_OPS,
-    OpOverload,
-    input_nodes,
-    op_schema,
-    overload_name,
+from passes.fx._torch_internals import input_nodes
+from passes.fx.nodes import (
+    FLOATS,
+    explicit_cast_dtype,
+    has_fp64,
+    is_float,
+    module_info,
+    node_inputs,
+    op_key,
+    target_info,
 )
 from passes.paint import COMPUTE, NONFLOAT, SOURCE
 
@@ -41,7 +48,7 @@ def _classify(node: fx.Node, floats: Any) -> tuple[str, str]:
     meta = node.meta
     if meta.get("amp_inserted"):
         return SOURCE, meta.get("amp_reason", "inserted by ampgraph")
-    if _has_fp64(meta.get("val")):
+    if has_fp64(meta.get("val")):
         return NONFLOAT, "fp64 is never changed"
     if not floats(node):
         return NONFLOAT, "no floating-point output"
@@ -82,15 +89,13 @@ def build_dataflow(gm: fx.GraphModule) -> nx.DiGraph:
         val = meta.get("val")
         if isinstance(val, torch.Tensor):
             dtype = val.dtype
-            is_fl, has_fp64 = dtype in FLOATS, dtype == fp64
+            is_fl, is_fp64 = dtype in FLOATS, dtype == fp64
         else:
-            is_fl, has_fp64 = is_float(val), _has_fp64(val)
+            is_fl, is_fp64 = is_float(val), has_fp64(val)
         floats[node] = is_fl
         inputs = input_nodes(node)  # all_input_nodes without its copy: a dict, same order
         target = node.target
-        hit = _OP_KEYS.get(id(target))
-        if hit is None or hit[0] is not target:
-            hit = _target_info(target)
+        hit = target_info(target)
         # classify(node), from the float checks above
         if op == "placeholder":
             kind, reason = ((SOURCE, "graph input: cast on use") if is_fl
@@ -103,7 +108,7 @@ def build_dataflow(gm: fx.GraphModule) -> nx.DiGraph:
             kind, reason = NONFLOAT, "not an op"
         elif meta.get("amp_inserted"):
             kind, reason = SOURCE, meta.get("amp_reason", "inserted by ampgraph")
-        elif has_fp64:
+        elif is_fp64:
             kind, reason = NONFLOAT, "fp64 is never changed"
         elif not is_fl:
             kind, reason = NONFLOAT, "no floating-point output"

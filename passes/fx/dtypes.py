@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from passes.fx.graph import tensors
+from passes.fx.nodes import tensors
 
 CAST = torch.ops.aten._to_copy.default
 

@@ -25,7 +25,7 @@ import torch
 from torch import fx
 
 from passes._infra import ConstantRangeWarning
-from passes.fx.graph import SHORT_NAMES, op_key
+from passes.fx.nodes import SHORT_NAMES, op_key
 from passes.paint import COMPUTE
 from passes.policy import FP32
 

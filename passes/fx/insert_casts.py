@@ -26,7 +26,7 @@ from passes._infra import PassError, PassResult
 from passes.fx._torch_internals import input_nodes, relink, tree_map
 from passes.fx.cast_factory import _Caster
 from passes.fx.dtypes import _float_dtypes, _orig_dtype, dtype_of
-from passes.fx.graph import FLOATS, is_view
+from passes.fx.nodes import FLOATS, is_view
 from passes.fx.propagate import _UNKNOWN, _detect_fake_mode, _DtypeTracker
 from passes.fx.rules import KEEP, _Rules, _slots, mutated_slots
 from passes.paint import Decision

@@ -1,31 +1,25 @@
-"""FX graph -> networkx dataflow graph for the painter, plus graph preparation."""
+"""What the FX passes read off a node: op keys, the tensors and float dtypes of a meta value,
+module paths, explicit casts, attribute reads and views.
+
+Helpers only (no pass lives here); ``passes.fx.dataflow``, ``passes.fx.prepare`` and the
+passes after them share them.
+"""
 
 from __future__ import annotations
 
 import operator
 from typing import Any
 
-import networkx as nx
 import torch
 from torch import fx
 
-from passes._infra import PassResult
-from passes.fx._torch_internals import (
-    TORCH_OPS,
-    OpOverload,
-    input_nodes,
-    op_schema,
-    overload_name,
-)
-from passes.paint import COMPUTE, NONFLOAT, SOURCE
-
+from passes.fx._torch_internals import TORCH_OPS, OpOverload, op_schema
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 SHORT_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 CAST_OPS = ("aten.to", "aten._to_copy", "aten.type_as")
 
 
-_OPS = TORCH_OPS
 # id(op) -> (op, policy key, is a cast op), for torch ops and operator.getitem only: they
 # live as long as the process (torch.ops interns them), so holding one costs nothing and
 # keeps its id unique. Other targets (a runtime's bound method holding weights ...) are
@@ -41,22 +35,27 @@ def op_key(node: fx.Node) -> str:
     hit = _OP_KEYS.get(id(t))
     if hit is not None and hit[0] is t:
         return hit[1]
-    return _target_info(t)[1]
+    return target_info(t)[1]
 
 
-def _target_info(t: Any) -> tuple[Any, str, bool]:
-    """(target, policy key, whether the key names a cast op); cached for torch ops."""
+def target_info(t: Any) -> tuple[Any, str, bool]:
+    """(target, policy key, whether the key names a cast op); cached for torch ops.
+
+    Example:
+        >>> target_info(torch.ops.aten._to_copy.default)[1:]
+        ('aten._to_copy.default', True)
+    """
     hit = _OP_KEYS.get(id(t))
     if hit is None or hit[0] is not t:
         key = t if type(t) is str else _target_key(t)
         hit = (t, key, key.startswith(CAST_OPS))
-        if isinstance(t, _OPS) or t is operator.getitem:
+        if isinstance(t, TORCH_OPS) or t is operator.getitem:
             _OP_KEYS[id(t)] = hit
     return hit
 
 
 def _target_key(t: Any) -> str:
-    if isinstance(t, _OPS):
+    if isinstance(t, TORCH_OPS):
         return t.name().replace("::", ".")
     if t is operator.getitem:
         return "getitem"
@@ -86,15 +85,27 @@ def is_float(value: Any) -> bool:
     return False
 
 
-def _has_fp64(value: Any) -> bool:
+def has_fp64(value: Any) -> bool:
+    """Whether a meta value holds an fp64 tensor (never changed by the passes).
+
+    Example:
+        >>> has_fp64((torch.zeros(1), torch.zeros(1, dtype=torch.float64)))
+        True
+    """
     if isinstance(value, torch.Tensor):
         return value.dtype == torch.float64
     if isinstance(value, (tuple, list)):
-        return any(_has_fp64(v) for v in value)
+        return any(has_fp64(v) for v in value)
     return False
 
 
 def node_inputs(node: fx.Node) -> list[fx.Node]:
+    """The nodes ``node`` reads, in order, each once (``all_input_nodes`` as a new list).
+
+    Example:
+        >>> [a.name for a in node_inputs(add_node)]
+        ['x', 'y']
+    """
     return [a for a in node.all_input_nodes]
 
 
@@ -112,7 +123,7 @@ def module_info(node: fx.Node) -> tuple[str, tuple[str, ...]]:
 
 def explicit_cast_dtype(node: fx.Node) -> torch.dtype | None:
     """The dtype a user-written ``.to(dtype)`` asks for, or None."""
-    if node.op != "call_function" or not _target_info(node.target)[2]:
+    if node.op != "call_function" or not target_info(node.target)[2]:
         return None
     for v in (*node.args[1:], *node.kwargs.values()):
         if isinstance(v, torch.dtype):
@@ -120,7 +131,13 @@ def explicit_cast_dtype(node: fx.Node) -> torch.dtype | None:
     return None
 
 
-def _is_cast_key(key: str) -> bool:
+def is_cast_key(key: str) -> bool:
+    """Whether a policy key names a cast op (``aten.to``, ``aten._to_copy``, ``aten.type_as``).
+
+    Example:
+        >>> is_cast_key("aten._to_copy.default")
+        True
+    """
     return key.startswith(CAST_OPS)
 
 

@@ -12,32 +12,27 @@ import torch
 from torch import fx
 
 from passes._infra import PassManager, PassResult, named
-from passes.fx.fold import (
-    count_casts,
-    drop_dead_ops,
-    fold_casts,
-    merge_duplicate_ops,
-    skip_whole_slices,
-)
-from passes.fx.fusions import (
-    channels_last_inputs,
-    fuse_norm_casts,
-    group_kv_heads,
-    sink_gather_casts,
-)
-from passes.fx.graph import build_dataflow, prepare
+from passes.fx.dataflow import build_dataflow
+from passes.fx.fold.cast_count import count_casts
+from passes.fx.fold.casts import fold_casts
+from passes.fx.fold.dead_ops import drop_dead_ops
+from passes.fx.fold.duplicate_ops import merge_duplicate_ops
+from passes.fx.fold.whole_slices import skip_whole_slices
+from passes.fx.fusions.channels_last import channels_last_inputs
+from passes.fx.fusions.gather_casts import sink_gather_casts
+from passes.fx.fusions.kv_heads import group_kv_heads
+from passes.fx.fusions.norm_casts import fuse_norm_casts
 from passes.fx.hazards import mark_range_hazards
 from passes.fx.index_values import mark_index_values
 from passes.fx.insert_casts import annotate, insert_casts
 from passes.fx.layouts import contiguous_linear_inputs
-from passes.fx.routing import (
-    route_attention,
-    route_dropouts,
-    route_embeddings,
-    route_linears,
-    route_output_casts,
-    route_weight_casts,
-)
+from passes.fx.prepare import prepare
+from passes.fx.routing.attention import route_attention
+from passes.fx.routing.dropouts import route_dropouts
+from passes.fx.routing.embeddings import route_embeddings
+from passes.fx.routing.linears import route_linears
+from passes.fx.routing.output_casts import route_output_casts
+from passes.fx.routing.weight_casts import route_weight_casts
 from passes.fx.runtime_ops import ATEN_ONLY, RuntimeOps
 from passes.fx.verify import verify
 from passes.fx.weight_groups import group_weight_casts

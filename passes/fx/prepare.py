@@ -1,24 +1,19 @@
-"""FX graph -> networkx dataflow graph for the painter, plus graph preparation."""
+"""``prepare``: the first pass, making a captured graph ready for the rewrite.
+
+It drops the capture-time checks (they assert the dtypes the passes are about to change)
+and makes in-place activation ops functional, so they can take a cast input.
+"""
 
 from __future__ import annotations
 
-import operator
 from typing import Any
 
-import networkx as nx
 import torch
 from torch import fx
 
 from passes._infra import PassResult
-from passes.fx._torch_internals import (
-    TORCH_OPS,
-    OpOverload,
-    input_nodes,
-    op_schema,
-    overload_name,
-)
-from passes.paint import COMPUTE, NONFLOAT, SOURCE
-
+from passes.fx._torch_internals import OpOverload, op_schema, overload_name
+from passes.fx.nodes import is_view, op_key
 
 # Nodes that only check the capture (they assert dtypes we are about to change).
 _CHECKS = ("aten._assert_tensor_metadata", "aten._assert_scalar", "aten.sym_constrain_range")
@@ -33,6 +28,10 @@ def prepare(gm: fx.GraphModule, recompile: bool = True) -> PassResult:
 
     ``recompile``: lint the graph and regenerate ``gm.forward`` when it changed (a pipeline
     checks and regenerates once at its end: ``verify`` checks input order).
+
+    Example:
+        >>> prepare(gm).modified  # a graph with ``relu_`` on an activation
+        True
     """
     modified = False
     graph = gm.graph

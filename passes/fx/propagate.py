@@ -26,7 +26,7 @@ from passes.fx._torch_internals import (
     tree_map,
 )
 from passes.fx.dtypes import _NO_FLOATS, _float_dtypes, _set_dtype, dtype_of
-from passes.fx.graph import FLOATS, op_key, tensors
+from passes.fx.nodes import FLOATS, op_key, tensors
 from passes.fx.rules import _slots
 
 _UNKNOWN = object()

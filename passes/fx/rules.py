@@ -14,7 +14,7 @@ from torch import fx
 
 from passes.fx._torch_internals import OpOverload, op_schema
 from passes.fx.dtypes import dtype_of
-from passes.fx.graph import FLOATS, _is_cast_key, explicit_cast_dtype, op_key, tensors
+from passes.fx.nodes import FLOATS, explicit_cast_dtype, is_cast_key, op_key, tensors
 from passes.policy import FP32, LOW, fixed_slots
 
 KEEP = "keep"  # an input taken as it is
@@ -124,7 +124,7 @@ class _Rules:
         """(target, getitem, a cast op, written positions, fixed positions), stored."""
         target, key = node.target, op_key(node)
         hit = self._targets[id(target)] = (  # by id: some targets hash slowly
-            target, key == "getitem", _is_cast_key(key), mutated_slots(node), fixed_slots(key))
+            target, key == "getitem", is_cast_key(key), mutated_slots(node), fixed_slots(key))
         return hit
 
     def of(self, node: fx.Node) -> _Rule:

@@ -1,15 +1,11 @@
-"""Cast folding after cast insertion, duplicate and dead ops, and the count of the casts a
-graph holds."""
+"""``fold_casts``: cast chains after cast insertion folded where the values allow."""
 
 from __future__ import annotations
 
-import torch
 from torch import fx
 
 from passes._infra import PassResult
-from passes.fx._torch_internals import OpOverload, op_schema
 from passes.fx.dtypes import CAST, _widening, dtype_of, is_amp_cast
-from passes.fx.graph import is_view
 
 
 def fold_casts(gm: fx.GraphModule, recompile: bool = True) -> PassResult:

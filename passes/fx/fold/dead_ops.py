@@ -1,15 +1,11 @@
-"""Cast folding after cast insertion, duplicate and dead ops, and the count of the casts a
-graph holds."""
+"""``drop_dead_ops``: the aten ops the rewrite left unused, removed."""
 
 from __future__ import annotations
 
-import torch
 from torch import fx
 
 from passes._infra import PassResult
-from passes.fx._torch_internals import OpOverload, op_schema
-from passes.fx.dtypes import CAST, _widening, dtype_of, is_amp_cast
-from passes.fx.graph import is_view
+from passes.fx._torch_internals import OpOverload
 
 
 def drop_dead_ops(gm: fx.GraphModule, recompile: bool = True) -> PassResult:

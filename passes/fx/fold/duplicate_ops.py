@@ -1,15 +1,12 @@
-"""Cast folding after cast insertion, duplicate and dead ops, and the count of the casts a
-graph holds."""
+"""``merge_duplicate_ops``: each pure aten op computed once per distinct arguments."""
 
 from __future__ import annotations
 
-import torch
 from torch import fx
 
 from passes._infra import PassResult
 from passes.fx._torch_internals import OpOverload, op_schema
-from passes.fx.dtypes import CAST, _widening, dtype_of, is_amp_cast
-from passes.fx.graph import is_view
+from passes.fx.nodes import is_view
 
 
 def merge_duplicate_ops(gm: fx.GraphModule, by_module: bool = False,

@@ -1,5 +1,4 @@
-"""Cast folding after cast insertion, duplicate and dead ops, and the count of the casts a
-graph holds."""
+"""``skip_whole_slices``: the users of a slice of a whole dimension read its input."""
 
 from __future__ import annotations
 
@@ -7,9 +6,6 @@ import torch
 from torch import fx
 
 from passes._infra import PassResult
-from passes.fx._torch_internals import OpOverload, op_schema
-from passes.fx.dtypes import CAST, _widening, dtype_of, is_amp_cast
-from passes.fx.graph import is_view
 
 
 def skip_whole_slices(gm: fx.GraphModule, recompile: bool = True) -> PassResult:

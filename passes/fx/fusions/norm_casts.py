@@ -1,16 +1,6 @@
-"""Value-preserving fusions: rewrites after cast insertion that keep every value and copy
-fewer bytes.
+"""``fuse_norm_casts``: the casts around fp32 normalisation go into the norm kernel.
 
-- :func:`fuse_norm_casts`: the casts around fp32 normalisation go into the norm kernel.
-- :func:`channels_last_inputs`: inputs of convolutions are cast straight to channels-last.
-- :func:`sink_gather_casts`: an embedding gathers from its fp32 table and casts the rows.
-- :func:`group_kv_heads`: attention on key/value heads repeated for grouped-query attention
-  takes the unrepeated ones (``enable_gqa``) on the CPU.
-
-(Rewrites that hand ops to the runtime are ``passes.fx.routing``; the probe of what a
-device's kernels accept is ``passes.fx.capabilities``.)
-
-Norms. O2 keeps batch/layer/group norm in fp32, so a low-precision activation is widened
+O2 keeps batch/layer/group norm in fp32, so a low-precision activation is widened
 before the norm and its result rounded back for the next low-precision op: two extra passes
 over every activation. PyTorch's CPU and CUDA norm kernels accept a 16-bit input with fp32
 weights (what cuDNN batch norm and Apex O2's ``keep_batchnorm_fp32`` rely on): they widen on
@@ -21,23 +11,21 @@ rounding on store is the one the removed cast made (relu, max pooling, and hardt
 bounds exact in the low dtype, commute with rounding). The backward rounds the input gradient
 once, as the removed cast's backward did. The fusion applies only where every use of the
 norm's output wanted the low dtype, and only for kernels a probe on the graph's device shows
-to accept the mix; the norm keeps ``amp_precision == "fp32"`` and gains ``meta["amp_io"]``.
+to accept the mix (``passes.fx.capabilities``); the norm keeps ``amp_precision == "fp32"``
+and gains ``meta["amp_io"]``.
 """
 
 from __future__ import annotations
 
 import operator
-from typing import Any
 
 import torch
 from torch import fx
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from passes._infra import PassResult
-from passes.fx._torch_internals import size_hint
 from passes.fx.capabilities import _mixed_io_supported
-from passes.fx.dtypes import CAST, dtype_of, is_amp_cast
-from passes.fx.graph import SHORT_NAMES, tensors
+from passes.fx.dtypes import dtype_of, is_amp_cast
+from passes.fx.nodes import SHORT_NAMES, tensors
 from passes.policy import FP32, LOW
 
 aten = torch.ops.aten

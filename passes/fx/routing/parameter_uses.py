@@ -1,37 +1,19 @@
-"""Runtime routing: ops the runtime carries out its own way, called from the rewritten graph.
-
-- :func:`route_weight_casts`: parameter casts call the runtime's cast (in inference a
-  working copy refreshed only when the fp32 master weight changes), at their first use.
-- :func:`route_linears`: a linear casts its own weight and converts its weight gradient.
-- :func:`route_embeddings`: a lookup on a parameter table picks where its gradient goes.
-- :func:`route_attention`: attention calls the runtime's implementation, which picks the
-  kernel for the shapes it meets.
-- :func:`route_dropouts`: dropout calls the runtime's, which draws its mask faster.
-- :func:`route_output_casts`: the casts of the outputs back to their dtype call the
-  runtime's, which may write into a buffer it keeps.
-
-Each replaces matching nodes by a caller-supplied callable; the numbers are the runtime's
-to keep (the cast still happens, inside the callable, and stays counted).
-"""
+"""How often a graph reads each parameter: the routes that pass ``shared=True`` ask it."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
-import torch
 from torch import fx
 
-from passes._infra import PassResult
-from passes.fx.dtypes import CAST, dtype_of, is_amp_cast
-from passes.fx.graph import fetch_attr
-from passes.policy import LOW
-
-aten = torch.ops.aten
+from passes.fx.nodes import fetch_attr
 
 
-def _param_uses(gm: fx.GraphModule) -> dict[int, int]:
-    """id(parameter) -> the number of users of the get_attr nodes reading it."""
+def parameter_uses(gm: fx.GraphModule) -> dict[int, int]:
+    """id(parameter) -> the number of users of the get_attr nodes reading it.
+
+    Example:
+        >>> parameter_uses(gm)[id(model.emb.weight)]  # tied input and output embeddings
+        2
+    """
     uses: dict[int, int] = {}
     for node in gm.graph.nodes:
         if node.op == "get_attr":

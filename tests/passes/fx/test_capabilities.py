@@ -7,11 +7,11 @@ import copy
 import pytest
 import torch
 
-import passes.fx.fusions as fusions
+import passes.fx.fusions.norm_casts as norm_casts
 from passes.fx import verify
 from passes.fx.capabilities import _mixed_io_supported
 from passes.fx.dtypes import dtype_of
-from tests.passes.fx.test_fusions import LnBlock, norm_nodes, passes
+from tests.passes.fx.fusions.helpers import LnBlock, norm_nodes, passes
 
 aten = torch.ops.aten
 
@@ -26,7 +26,7 @@ def test_probe_refuses_devices_it_cannot_run_on():
 
 @pytest.mark.parametrize("supported", [True, False])
 def test_norms_are_fused_only_where_the_probe_allows(monkeypatch, supported):
-    monkeypatch.setattr(fusions, "_mixed_io_supported", lambda target, device, low: supported)
+    monkeypatch.setattr(norm_casts, "_mixed_io_supported", lambda target, device, low: supported)
     torch.manual_seed(0)
     model = LnBlock().eval()
     x = torch.randn(3, 16)

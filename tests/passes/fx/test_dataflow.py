@@ -1,23 +1,15 @@
-"""passes/fx/graph.py: the dataflow graph, op keys, meta helpers and prepare."""
+"""passes/fx/dataflow.py: the painter's dataflow graph, built in one walk."""
 
 from __future__ import annotations
-
-import operator
 
 import networkx as nx
 import pytest
 import torch
-from torch import fx, nn
 
-from passes.fx.graph import (
-    _build_dataflow_unordered,
-    build_dataflow,
-    op_key,
-    prepare,
-    tensors,
-)
+from passes.fx.dataflow import _build_dataflow_unordered, build_dataflow
+from passes.fx.prepare import prepare
 from tests.helpers import make
-from tests.passes.fx.helpers import blocks, check_pass, in_place_graph
+from tests.passes.fx.helpers import blocks
 
 
 def same_graph(a: nx.DiGraph, b: nx.DiGraph) -> None:

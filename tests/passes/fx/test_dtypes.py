@@ -17,7 +17,7 @@ from passes.fx.dtypes import (
     dtype_of,
     is_amp_cast,
 )
-from passes.fx.graph import FLOATS, tensors
+from passes.fx.nodes import FLOATS, tensors
 from tests.helpers import make
 from tests.passes.fx.helpers import check_pass
 

@@ -1,23 +1,14 @@
-"""passes/fx/graph.py: the dataflow graph, op keys, meta helpers and prepare."""
+"""passes/fx/nodes.py: op keys, meta values' tensors and what else the passes read off a
+node."""
 
 from __future__ import annotations
 
 import operator
 
-import networkx as nx
-import pytest
 import torch
-from torch import fx, nn
+from torch import fx
 
-from passes.fx.graph import (
-    _build_dataflow_unordered,
-    build_dataflow,
-    op_key,
-    prepare,
-    tensors,
-)
-from tests.helpers import make
-from tests.passes.fx.helpers import blocks, check_pass, in_place_graph
+from passes.fx.nodes import op_key, tensors
 
 
 def test_op_key_cache_is_keyed_by_the_target_itself():

@@ -1,23 +1,12 @@
-"""passes/fx/graph.py: the dataflow graph, op keys, meta helpers and prepare."""
+"""passes/fx/prepare.py: capture checks dropped, in-place activations made functional."""
 
 from __future__ import annotations
 
-import operator
-
-import networkx as nx
-import pytest
 import torch
-from torch import fx, nn
+from torch import nn
 
-from passes.fx.graph import (
-    _build_dataflow_unordered,
-    build_dataflow,
-    op_key,
-    prepare,
-    tensors,
-)
-from tests.helpers import make
-from tests.passes.fx.helpers import blocks, check_pass, in_place_graph
+from passes.fx.prepare import prepare
+from tests.passes.fx.helpers import check_pass, in_place_graph
 
 
 def test_inplace_activation_becomes_functional_and_runs_low():

@@ -1,4 +1,4 @@
-"""passes/fx/fold.py: cast chains fold where values allow, counts agree."""
+"""passes/fx/fold/casts.py: cast chains fold where values allow, counts agree."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from passes.fx import fold_casts, verify
 from passes.fx.dtypes import CAST, _widening, dtype_of, is_amp_cast
-from passes.fx.fold import count_casts
+from passes.fx.fold.cast_count import count_casts
+from passes.fx.fold.casts import fold_casts
+from passes.fx.verify import verify
 from tests.helpers import make
 from tests.passes.fx.helpers import check_pass
 

@@ -1,18 +1,14 @@
-"""passes/fx/fold.py: cast chains fold where values allow, counts agree."""
+"""passes/fx/fold/dead_ops.py: ops the rewrite left unused are dropped, random draws stay."""
 
 from __future__ import annotations
 
-import warnings
-
-import pytest
 import torch
 from torch import nn
 
-from passes.fx import fold_casts, verify
-from passes.fx.dtypes import CAST, _widening, dtype_of, is_amp_cast
-from passes.fx.fold import count_casts
-from tests.helpers import make
-from tests.passes.fx.helpers import check_pass
+from passes.fx.fold.dead_ops import drop_dead_ops
+from passes.fx.pipeline import run_amp_passes
+from passes.policy import make_policy
+from tests.passes.fx.helpers import export
 
 
 class RMSNormThenLinear(nn.Module):
@@ -31,10 +27,6 @@ class RMSNormThenLinear(nn.Module):
 
 
 def test_ops_the_rewrite_left_unused_are_dropped_but_random_draws_stay():
-    from passes.fx import drop_dead_ops, run_amp_passes
-    from passes.policy import make_policy
-    from tests.passes.fx.helpers import export
-
     model, x = RMSNormThenLinear(), torch.randn(2, 5, 16)
     gm = export(model, (x,))
     run_amp_passes(gm, make_policy("O2"), torch.bfloat16)

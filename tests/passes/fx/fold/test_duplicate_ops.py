@@ -1,23 +1,16 @@
-"""passes/fx/fold.py: cast chains fold where values allow, counts agree."""
+"""passes/fx/fold/duplicate_ops.py: pure ops computed once per distinct typed arguments."""
 
 from __future__ import annotations
 
-import warnings
-
-import pytest
 import torch
 from torch import nn
 
-from passes.fx import fold_casts, verify
-from passes.fx.dtypes import CAST, _widening, dtype_of, is_amp_cast
-from passes.fx.fold import count_casts
-from tests.helpers import make
-from tests.passes.fx.helpers import check_pass
+from passes.fx.fold.duplicate_ops import merge_duplicate_ops
+from tests.passes.fx.helpers import export
 
 
 class PerLayerPositions(nn.Module):
     """Each layer builds the same position range and mask, as an exported HF model does."""
-
     def __init__(self):
         super().__init__()
         self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
@@ -30,9 +23,6 @@ class PerLayerPositions(nn.Module):
 
 
 def test_duplicate_pure_ops_are_computed_once_but_random_draws_and_mutated_graphs_stay():
-    from passes.fx import merge_duplicate_ops
-    from tests.passes.fx.helpers import export
-
     x = torch.randn(2, 5, 8)
 
     def count(gm, name):
@@ -58,7 +48,6 @@ def test_duplicate_pure_ops_are_computed_once_but_random_draws_and_mutated_graph
 
 class Lookalikes(nn.Module):
     """Ops equal under Python's ``==`` but not as ops, and per-layer states it returns."""
-
     def __init__(self):
         super().__init__()
         self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
@@ -70,8 +59,6 @@ class Lookalikes(nn.Module):
 
 
 def test_merging_keeps_scalar_types_and_never_shares_returned_values():
-    from passes.fx import merge_duplicate_ops
-
     ids, x = torch.arange(6).view(2, 3), torch.randn(2, 4)
     gm = torch.export.export(Lookalikes(), (ids, x), strict=False).module()
     merge_duplicate_ops(gm)
@@ -100,7 +87,6 @@ class TwoModules(nn.Module):
 def test_with_module_overrides_ops_of_different_modules_are_not_merged():
     """A module override decides per module: merging would paint one module's op as the
     other's. With overrides (``by_module``) equal ops merge only within a module."""
-    from passes.fx import merge_duplicate_ops
 
     model, x = TwoModules(), torch.randn(3, 4)
 

@@ -1,18 +1,12 @@
-"""passes/fx/fold.py: cast chains fold where values allow, counts agree."""
+"""passes/fx/fold/whole_slices.py: slices of a whole dimension are skipped, others kept."""
 
 from __future__ import annotations
 
-import warnings
-
-import pytest
 import torch
 from torch import nn
 
-from passes.fx import fold_casts, verify
-from passes.fx.dtypes import CAST, _widening, dtype_of, is_amp_cast
-from passes.fx.fold import count_casts
-from tests.helpers import make
-from tests.passes.fx.helpers import check_pass
+from passes.fx.fold.dead_ops import drop_dead_ops
+from passes.fx.fold.whole_slices import skip_whole_slices
 
 
 class Slices(nn.Module):
@@ -23,7 +17,6 @@ class Slices(nn.Module):
 def test_whole_slices_are_skipped_and_others_kept():
     from torch.export import Dim
 
-    from passes.fx import drop_dead_ops, skip_whole_slices
 
     x = torch.randn(3, 4)  # dynamic sizes, as ampgraph exports: whole slices stay in the graph
     gm = torch.export.export(Slices(), (x,), dynamic_shapes=({0: Dim.AUTO, 1: Dim.AUTO},),

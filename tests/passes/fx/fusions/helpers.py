@@ -1,18 +1,13 @@
-"""passes/fx/fusions.py: norm cast fusion, channels-last casts, gather casts; same numbers."""
+"""Models and the pipeline run shared by the fusion tests."""
 
 from __future__ import annotations
 
-import copy
-
-import pytest
 import torch
 from torch import nn
 
-from passes.fx import run_amp_passes
-from passes.fx.dtypes import dtype_of, is_amp_cast
+from passes.fx.pipeline import run_amp_passes
 from passes.fx.runtime_ops import RuntimeOps
 from passes.policy import make_policy
-from tests.helpers import NORM_OPS, record
 
 aten = torch.ops.aten
 

@@ -1,20 +1,15 @@
-"""passes/fx/fusions.py: norm cast fusion, channels-last casts, gather casts; same numbers."""
+"""passes/fx/fusions/channels_last.py: convolution inputs cast straight to channels-last,
+same values."""
 
 from __future__ import annotations
 
 import copy
 
-import pytest
 import torch
 from torch import nn
 
-from passes.fx import run_amp_passes
-from passes.fx.dtypes import dtype_of, is_amp_cast
-from passes.fx.runtime_ops import RuntimeOps
-from passes.policy import make_policy
-from tests.helpers import NORM_OPS, record
-
-aten = torch.ops.aten
+from passes.fx.dtypes import is_amp_cast
+from tests.passes.fx.fusions.helpers import ConvBlock, passes
 
 
 def _input_cast(gm):

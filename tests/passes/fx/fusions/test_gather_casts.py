@@ -1,18 +1,15 @@
-"""passes/fx/fusions.py: norm cast fusion, channels-last casts, gather casts; same numbers."""
+"""passes/fx/fusions/gather_casts.py: embeddings gather from the fp32 table and cast the
+rows."""
 
 from __future__ import annotations
 
 import copy
 
-import pytest
 import torch
 from torch import nn
 
-from passes.fx import run_amp_passes
 from passes.fx.dtypes import dtype_of, is_amp_cast
-from passes.fx.runtime_ops import RuntimeOps
-from passes.policy import make_policy
-from tests.helpers import NORM_OPS, record
+from tests.passes.fx.fusions.helpers import passes
 
 aten = torch.ops.aten
 

@@ -1,4 +1,5 @@
-"""passes/fx/fusions.py: norm cast fusion, channels-last casts, gather casts; same numbers."""
+"""passes/fx/fusions/kv_heads.py: repeated key/value heads go to grouped attention, same
+outputs."""
 
 from __future__ import annotations
 
@@ -8,11 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from passes.fx import run_amp_passes
-from passes.fx.dtypes import dtype_of, is_amp_cast
-from passes.fx.runtime_ops import RuntimeOps
-from passes.policy import make_policy
-from tests.helpers import NORM_OPS, record
+from tests.passes.fx.fusions.helpers import passes
 
 aten = torch.ops.aten
 

@@ -1,4 +1,5 @@
-"""passes/fx/fusions.py: norm cast fusion, channels-last casts, gather casts; same numbers."""
+"""passes/fx/fusions/norm_casts.py: the casts around fp32 norms go into the kernel; same
+numbers and gradients."""
 
 from __future__ import annotations
 
@@ -8,11 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from passes.fx import run_amp_passes
 from passes.fx.dtypes import dtype_of, is_amp_cast
-from passes.fx.runtime_ops import RuntimeOps
-from passes.policy import make_policy
 from tests.helpers import NORM_OPS, record
+from tests.passes.fx.fusions.helpers import ConvBlock, LnBlock, norm_nodes, passes
 
 aten = torch.ops.aten
 

@@ -1,16 +1,12 @@
-"""passes/fx/routing.py: ops handed to runtime callables; same values, lint and verify hold."""
+"""A model, runtime callables that record their calls, and the pipeline run shared by the
+routing tests."""
 
 from __future__ import annotations
 
-import copy
-
-import pytest
 import torch
 from torch import nn
 
-from passes.fx import run_amp_passes, verify
-from passes.fx.dtypes import CAST, is_amp_cast
-from passes.fx.fold import count_casts
+from passes.fx.pipeline import run_amp_passes
 from passes.fx.runtime_ops import RuntimeOps
 from passes.policy import make_policy
 

@@ -1,20 +1,18 @@
-"""passes/fx/routing.py: ops handed to runtime callables; same values, lint and verify hold."""
+"""passes/fx/routing/attention.py: low-precision attention calls the runtime's; nothing is
+routed where nothing runs low."""
 
 from __future__ import annotations
 
-import copy
-
-import pytest
 import torch
-from torch import nn
 
-from passes.fx import run_amp_passes, verify
-from passes.fx.dtypes import CAST, is_amp_cast
-from passes.fx.fold import count_casts
-from passes.fx.runtime_ops import RuntimeOps
-from passes.policy import make_policy
-
-aten = torch.ops.aten
+from tests.passes.fx.routing.helpers import (
+    ROUTES,
+    Net,
+    amp_attention,
+    amp_linear,
+    cached_cast,
+    rewritten,
+)
 
 
 def test_nothing_is_routed_where_nothing_runs_low():

@@ -1,4 +1,5 @@
-"""passes/fx/routing.py: ops handed to runtime callables; same values, lint and verify hold."""
+"""passes/fx/routing/linears.py: linears (with the weight casts and attention routed too)
+call the runtime with the same values."""
 
 from __future__ import annotations
 
@@ -6,13 +7,17 @@ import copy
 
 import pytest
 import torch
-from torch import nn
 
-from passes.fx import run_amp_passes, verify
-from passes.fx.dtypes import CAST, is_amp_cast
-from passes.fx.fold import count_casts
-from passes.fx.runtime_ops import RuntimeOps
-from passes.policy import make_policy
+from passes.fx.dtypes import CAST
+from passes.fx.fold.cast_count import count_casts
+from tests.passes.fx.routing.helpers import (
+    CALLS,
+    ROUTES,
+    Net,
+    amp_attention,
+    amp_linear,
+    rewritten,
+)
 
 aten = torch.ops.aten
 

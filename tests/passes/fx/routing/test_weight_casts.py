@@ -1,20 +1,14 @@
-"""passes/fx/routing.py: ops handed to runtime callables; same values, lint and verify hold."""
+"""passes/fx/routing/weight_casts.py: every parameter cast calls the runtime's cast."""
 
 from __future__ import annotations
 
 import copy
 
-import pytest
 import torch
-from torch import nn
 
-from passes.fx import run_amp_passes, verify
-from passes.fx.dtypes import CAST, is_amp_cast
-from passes.fx.fold import count_casts
-from passes.fx.runtime_ops import RuntimeOps
-from passes.policy import make_policy
-
-aten = torch.ops.aten
+from passes.fx.dtypes import is_amp_cast
+from passes.fx.verify import verify
+from tests.passes.fx.routing.helpers import Net, cached_cast, rewritten
 
 
 def test_route_weight_casts_alone_routes_every_parameter_cast():
