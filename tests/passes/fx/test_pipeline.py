@@ -72,7 +72,8 @@ def test_the_pipeline_is_a_list_of_named_passes():
             weight_cast=fn, linear=fn, embedding=fn, attention=fn, unrepeated_kv_heads=True))
     assert [p.__name__ for p in everything] == EXPECTED_PASSES
     plain = pipeline.amp_passes(make_policy("O0"), torch.bfloat16, pipeline.PipelineState(),
-                                fuse_norms=False, runtime=RuntimeOps())
+                                fuse_norm_casts=False, channels_last_inputs=False,
+                                sink_gather_casts=False, runtime=RuntimeOps())
     assert [p.__name__ for p in plain] == [
         "prepare", "skip_whole_slices", "merge_duplicate_ops", "build_dataflow", "paint",
         "annotate",

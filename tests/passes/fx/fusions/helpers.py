@@ -40,7 +40,8 @@ class LnBlock(nn.Module):
 
 def passes(model, inputs, fuse, level="O2", low=torch.bfloat16):
     gm = torch.export.export(model, inputs, strict=False).module()
-    run_amp_passes(gm, make_policy(level), low, fuse_norms=fuse,
+    run_amp_passes(gm, make_policy(level), low, fuse_norm_casts=fuse,
+                   channels_last_inputs=fuse, sink_gather_casts=fuse,
                    runtime=RuntimeOps(unrepeated_kv_heads=fuse))
     return gm
 
