@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import fx
 
 from passes._infra import PassResult
-from passes.fx.dtypes import CAST, _widening, dtype_of, is_amp_cast
+from passes.fx.dtypes import CAST, dtype_of, is_amp_cast, is_widening
 
 
 def fold_casts(gm: fx.GraphModule, recompile: bool = True) -> PassResult:
@@ -30,7 +30,7 @@ def fold_casts(gm: fx.GraphModule, recompile: bool = True) -> PassResult:
             node.replace_all_uses_with(src)
             graph.erase_node(node)
             modified = True
-        elif is_amp_cast(src) and dtype_of(src.args[0]) == target and _widening(
+        elif is_amp_cast(src) and dtype_of(src.args[0]) == target and is_widening(
             target, dtype_of(src)
         ):
             node.replace_all_uses_with(src.args[0])

@@ -23,7 +23,7 @@ import torch
 from torch import fx
 
 from passes._infra import PassResult
-from passes.fx.capabilities import _mixed_io_supported
+from passes.fx.capabilities import mixed_io_supported
 from passes.fx.dtypes import dtype_of, is_amp_cast
 from passes.fx.nodes import SHORT_NAMES, tensors
 from passes.policy import FP32, LOW
@@ -65,7 +65,7 @@ def _fuse(gm: fx.GraphModule, norm: fx.Node, low: torch.dtype) -> bool:
                            and dtype_of(widen.args[0]) == low):
         return False
     out = _data_output(norm)
-    if out is None or not _mixed_io_supported(norm.target, _device(norm), low):
+    if out is None or not mixed_io_supported(norm.target, _device(norm), low):
         return False
     found: dict[str, list[fx.Node]] = {"chain": [], "narrow": [], "widen": []}
     if not _all_uses_want_low(out, low, found):

@@ -9,7 +9,7 @@ import torch
 
 import passes.fx.fusions.norm_casts as norm_casts
 from passes.fx import verify
-from passes.fx.capabilities import _mixed_io_supported
+from passes.fx.capabilities import mixed_io_supported
 from passes.fx.dtypes import dtype_of
 from tests.passes.fx.fusions.helpers import LnBlock, norm_nodes, passes
 
@@ -17,16 +17,16 @@ aten = torch.ops.aten
 
 
 def test_probe_refuses_devices_it_cannot_run_on():
-    assert _mixed_io_supported(aten.batch_norm.default, torch.device("cpu"), torch.bfloat16)
-    assert _mixed_io_supported(aten.layer_norm.default, torch.device("cpu"), torch.float16)
-    assert not _mixed_io_supported(aten.batch_norm.default, torch.device("meta"),
+    assert mixed_io_supported(aten.batch_norm.default, torch.device("cpu"), torch.bfloat16)
+    assert mixed_io_supported(aten.layer_norm.default, torch.device("cpu"), torch.float16)
+    assert not mixed_io_supported(aten.batch_norm.default, torch.device("meta"),
                                    torch.bfloat16)
-    assert not _mixed_io_supported(aten.batch_norm.default, None, torch.bfloat16)
+    assert not mixed_io_supported(aten.batch_norm.default, None, torch.bfloat16)
 
 
 @pytest.mark.parametrize("supported", [True, False])
 def test_norms_are_fused_only_where_the_probe_allows(monkeypatch, supported):
-    monkeypatch.setattr(norm_casts, "_mixed_io_supported", lambda target, device, low: supported)
+    monkeypatch.setattr(norm_casts, "mixed_io_supported", lambda target, device, low: supported)
     torch.manual_seed(0)
     model = LnBlock().eval()
     x = torch.randn(3, 16)
@@ -41,10 +41,10 @@ def test_norms_are_fused_only_where_the_probe_allows(monkeypatch, supported):
 
 def test_the_probe_runs_once_per_op_device_and_dtype_and_matches_the_kernel():
     args = (aten.group_norm.default, torch.device("cpu"), torch.bfloat16)
-    first = _mixed_io_supported(*args)
-    hits = _mixed_io_supported.cache_info().hits
-    assert _mixed_io_supported(*args) == first
-    assert _mixed_io_supported.cache_info().hits == hits + 1
+    first = mixed_io_supported(*args)
+    hits = mixed_io_supported.cache_info().hits
+    assert mixed_io_supported(*args) == first
+    assert mixed_io_supported.cache_info().hits == hits + 1
     x = torch.randn(2, 4, 3, dtype=torch.bfloat16)
     try:
         y = aten.group_norm(x, 2, torch.ones(4), torch.zeros(4), 1e-5)

@@ -58,7 +58,7 @@ def test_remembered_runs_agree_with_running_every_op(level, low, build):
     assert sum(isinstance(v[1], tuple) for v in seen[0].values()) == 6
 
 
-_REAL_RUN = casts._DtypeTracker._run
+_REAL_RUN = casts.DtypeTracker._run
 
 
 def count_runs(monkeypatch, gm, level="O2"):
@@ -69,7 +69,7 @@ def count_runs(monkeypatch, gm, level="O2"):
         runs.append(op_key(node))
         return real(self, node)
 
-    monkeypatch.setattr(casts._DtypeTracker, "_run", run)
+    monkeypatch.setattr(casts.DtypeTracker, "_run", run)
     prepare(gm)
     annotate(gm, paint(build_dataflow(gm), make_policy(level)))
     insert_casts(gm, torch.bfloat16)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from passes.fx.dtypes import CAST, _widening, dtype_of, is_amp_cast
+from passes.fx.dtypes import CAST, dtype_of, is_amp_cast, is_widening
 from passes.fx.fold.cast_count import count_casts
 from passes.fx.fold.casts import fold_casts
 from passes.fx.verify import verify
@@ -60,7 +60,7 @@ def test_no_foldable_chain_is_left_and_folding_again_changes_nothing(name, dtype
         src, target = cast.args[0], cast.kwargs["dtype"]
         assert dtype_of(src) != target, f"{cast}: a cast to its source's own dtype"
         if is_amp_cast(src):
-            assert not (dtype_of(src.args[0]) == target and _widening(target, dtype_of(src))), \
+            assert not (dtype_of(src.args[0]) == target and is_widening(target, dtype_of(src))), \
                 f"{cast}: low -> fp32 -> low left"
     with torch.no_grad():
         before = gm(*inputs)
