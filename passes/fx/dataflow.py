@@ -13,6 +13,7 @@ import networkx as nx
 import torch
 from torch import fx
 
+from passes._infra import visiting
 from passes.fx._torch_internals import input_nodes
 from passes.fx.nodes import (
     FLOATS,
@@ -78,7 +79,7 @@ def build_dataflow(gm: fx.GraphModule) -> nx.DiGraph:
     modules: dict[int, tuple[Any, tuple[str, tuple[str, ...]]]] = {}  # id(stack) -> info
     ordered = True  # every input met before its consumer (always, in a linted graph)
     fp64 = torch.float64
-    for node in gm.graph.nodes:
+    for node in visiting(gm.graph.nodes):
         op = node.op
         if op == "output":
             for a in input_nodes(node):
@@ -155,14 +156,14 @@ def _build_dataflow_unordered(gm: fx.GraphModule) -> nx.DiGraph:
     """:func:`build_dataflow` as plain add_node / add_edge calls: the definition the one-walk
     build follows (tests compare the two), used when nodes are not in dataflow order."""
     g = nx.DiGraph()
-    for node in gm.graph.nodes:
+    for node in visiting(gm.graph.nodes):
         if node.op == "output":
             continue
         kind, reason = classify(node)
         path, classes = module_info(node)
         g.add_node(node.name, kind=kind, reason=reason, op=op_key(node), module=path,
                    module_classes=classes)
-    for node in gm.graph.nodes:
+    for node in visiting(gm.graph.nodes):
         if node.op == "output":
             for a in node_inputs(node):
                 if a.name in g:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from passes._infra import PassError, PassResult
+from passes._infra import PassError, PassResult, visiting
 from passes.fx._torch_internals import input_nodes, relink, tree_map
 from passes.fx.cast_factory import Caster
 from passes.fx.dtypes import dtype_of, float_dtypes, orig_dtype
@@ -35,7 +35,7 @@ from passes.policy import LOW
 
 def annotate(gm: fx.GraphModule, decisions: Mapping[str, Decision]) -> None:
     """Write the painter's decisions into ``node.meta`` (analysis only, no rewrite)."""
-    for node in gm.graph.nodes:
+    for node in visiting(gm.graph.nodes):
         meta = node.meta
         d = decisions.get(node.name)
         if d is not None:
@@ -72,7 +72,7 @@ def insert_casts(
     rules = Rules(low)
     tracker = DtypeTracker(fake_mode, exact)
     captured: set[torch.dtype] = set()  # the float dtypes of the captured graph
-    for node in nodes:
+    for node in visiting(nodes):
         meta = node.meta
         val = meta.get("val")
         if "amp_dtype" not in meta:  # record every node's dtype before any rewrite
@@ -81,7 +81,7 @@ def insert_casts(
                 meta["amp_dtype"] = dtype
         captured |= float_dtypes(meta.get("amp_orig_val", val))
     tracker.one_float = len(captured) <= 1
-    for node in nodes:
+    for node in visiting(nodes):
         op = node.op
         if op != "call_function":
             if op == "output" and keep_io_types:
@@ -145,13 +145,13 @@ def _recast_after_writes(graph: fx.Graph) -> int:
     nodes = list(graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
     writes: dict[fx.Node, list[int]] = {}  # base tensor -> positions of writes into it
-    for node in nodes:
+    for node in visiting(nodes):
         for slot in mutated_slots(node):
             arg = node.args[slot] if slot < len(node.args) else None
             if isinstance(arg, fx.Node):
                 writes.setdefault(_base(arg), []).append(position[node])
     added = 0
-    for cast in (n for n in nodes if writes and n.meta.get("amp_cast")):
+    for cast in visiting(n for n in nodes if writes and n.meta.get("amp_cast")):
         marks = writes.get(_base(cast.args[0])) if isinstance(cast.args[0], fx.Node) else None
         for user in list(cast.users) if marks else ():
             if any(position[cast] < m < position.get(user, len(nodes)) for m in marks):

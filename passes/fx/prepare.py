@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from passes._infra import PassResult
+from passes._infra import PassResult, visiting
 from passes.fx._torch_internals import OpOverload, op_schema, overload_name
 from passes.fx.nodes import is_view, op_key
 
@@ -37,7 +37,7 @@ def prepare(gm: fx.GraphModule, recompile: bool = True) -> PassResult:
     graph = gm.graph
     nodes = list(graph.nodes)
     position = None  # node -> index, built at the first in-place op (order never changes)
-    for node in nodes:
+    for node in visiting(nodes):
         if node.op != "call_function":
             continue
         key = op_key(node)

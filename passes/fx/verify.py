@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from passes._infra import PassError, PassResult
+from passes._infra import PassError, PassResult, visiting
 from passes.fx.dtypes import dtype_of
 from passes.fx.rules import KEEP, Rules, input_slots
 
@@ -24,7 +24,7 @@ def verify(gm: fx.GraphModule, low: torch.dtype) -> PassResult:
     """
     rules = Rules(low)
     seen: set[fx.Node] = set()
-    for node in gm.graph.nodes:
+    for node in visiting(gm.graph.nodes):
         inputs = node.all_input_nodes
         for arg in inputs:
             if arg not in seen:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import fx
 
-from passes._infra import PassResult
+from passes._infra import PassResult, visiting
 from passes.fx.dtypes import CAST, dtype_of, is_amp_cast, is_widening
 
 
@@ -23,7 +23,7 @@ def fold_casts(gm: fx.GraphModule, recompile: bool = True) -> PassResult:
     casts = [n for n in graph.find_nodes(op="call_function", target=CAST)
              if n.meta.get("amp_cast")]
     kept = []
-    for node in casts:
+    for node in visiting(casts):
         src = node.args[0]
         target = node.kwargs["dtype"]
         if dtype_of(src) == target:
@@ -38,7 +38,7 @@ def fold_casts(gm: fx.GraphModule, recompile: bool = True) -> PassResult:
             modified = True
         else:
             kept.append(node)
-    for node in kept:
+    for node in visiting(kept):
         if not node.users:
             graph.erase_node(node)
             modified = True

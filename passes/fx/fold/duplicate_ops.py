@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import fx
 
-from passes._infra import PassResult
+from passes._infra import PassResult, visiting
 from passes.fx._torch_internals import OpOverload, op_schema
 from passes.fx.nodes import is_view
 
@@ -37,7 +37,7 @@ def merge_duplicate_ops(gm: fx.GraphModule, by_module: bool = False,
     returned = _returned(graph)
     first: dict = {}
     modified = False
-    for node in ops:
+    for node in visiting(ops):
         if node.is_impure() or node in returned:
             continue
         where = _module_path(node) if by_module else None

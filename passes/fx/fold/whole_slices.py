@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from passes._infra import PassResult
+from passes._infra import PassResult, visiting
 
 
 def skip_whole_slices(gm: fx.GraphModule, recompile: bool = True) -> PassResult:
@@ -19,7 +19,7 @@ def skip_whole_slices(gm: fx.GraphModule, recompile: bool = True) -> PassResult:
         True
     """
     modified = False
-    for node in gm.graph.find_nodes(op="call_function", target=_SLICE):
+    for node in visiting(gm.graph.find_nodes(op="call_function", target=_SLICE)):
         if node.kwargs:
             continue
         _, _, start, end, step = (*node.args, *_SLICE_DEFAULTS[len(node.args):])

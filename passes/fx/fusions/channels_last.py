@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from passes._infra import PassResult
+from passes._infra import PassResult, visiting
 from passes.fx.dtypes import CAST, dtype_of, is_amp_cast
 from passes.fx.nodes import tensors
 
@@ -37,7 +37,7 @@ def channels_last_inputs(gm: fx.GraphModule, low: torch.dtype) -> PassResult:
     if any(len(getattr(t, "shape", ())) >= 4 for a in out.all_input_nodes
            for t in tensors(a.meta.get("val"))):
         return PassResult(gm, False)
-    for n in nodes:
+    for n in visiting(nodes):
         if n.op == "call_function" and n.target in VIEWS and any(
                 t.dim() == 4 for t in tensors(n.args[0].meta.get("val"))):
             return PassResult(gm, False)
@@ -47,7 +47,7 @@ def channels_last_inputs(gm: fx.GraphModule, low: torch.dtype) -> PassResult:
     # copy on every call: the weight casts write channels-last too
     weights = [c for c in nodes if inputs and _low_4d_cast(c, low, "get_attr") and c.users
                and all(u.target in CONVS and u.args[1] is c for u in c.users)]
-    for cast in inputs + weights:
+    for cast in visiting(inputs + weights):
         cast.kwargs = {**cast.kwargs, "memory_format": torch.channels_last}
     return PassResult(gm, bool(inputs))
 

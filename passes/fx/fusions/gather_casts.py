@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from passes._infra import PassResult
+from passes._infra import PassResult, visiting
 from passes.fx._torch_internals import size_hint
 from passes.fx.dtypes import CAST, dtype_of, is_amp_cast
 from passes.fx.nodes import tensors
@@ -28,7 +28,7 @@ def sink_gather_casts(gm: fx.GraphModule, low: torch.dtype) -> PassResult:
         True
     """
     modified = False
-    for node in list(gm.graph.nodes):
+    for node in visiting(list(gm.graph.nodes)):
         if node.op != "call_function" or node.target not in GATHERS:
             continue
         cast = node.args[0]

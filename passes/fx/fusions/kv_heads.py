@@ -9,7 +9,7 @@ import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from passes._infra import PassResult
+from passes._infra import PassResult, visiting
 from passes.fx.nodes import tensors
 
 aten = torch.ops.aten
@@ -37,7 +37,7 @@ def group_kv_heads(gm: fx.GraphModule) -> PassResult:
         True
     """
     modified = False
-    for node in list(gm.graph.find_nodes(op="call_function", target=ATTENTION)):
+    for node in visiting(list(gm.graph.find_nodes(op="call_function", target=ATTENTION))):
         first = node.args[0] if node.args else None
         q = tensors(first.meta.get("val")) if isinstance(first, fx.Node) else ()
         if len(node.args) < 3 or node.kwargs.get("enable_gqa") or not q:

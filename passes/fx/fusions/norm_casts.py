@@ -22,7 +22,7 @@ import operator
 import torch
 from torch import fx
 
-from passes._infra import PassResult
+from passes._infra import PassResult, visiting
 from passes.fx.capabilities import mixed_io_supported
 from passes.fx.dtypes import dtype_of, is_amp_cast
 from passes.fx.nodes import SHORT_NAMES, tensors
@@ -51,7 +51,7 @@ def fuse_norm_casts(gm: fx.GraphModule, low: torch.dtype) -> PassResult:
         True
     """
     modified = False
-    for node in list(gm.graph.nodes):
+    for node in visiting(list(gm.graph.nodes)):
         if node.op == "call_function" and node.meta.get("amp_precision") == FP32 \
                 and (node.target in SINGLE or node.target in TUPLE):
             modified |= _fuse(gm, node, low)

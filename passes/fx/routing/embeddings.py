@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from passes._infra import PassResult
+from passes._infra import PassResult, visiting
 from passes.fx.nodes import fetch_attr
 from passes.fx.routing.parameter_uses import parameter_uses
 
@@ -27,7 +27,7 @@ def route_embeddings(gm: fx.GraphModule, embedding_fn: Callable[..., Any]) -> Pa
     """
     uses = parameter_uses(gm)
     modified = False
-    for node in list(gm.graph.nodes):
+    for node in visiting(list(gm.graph.nodes)):
         if node.op != "call_function" or node.target is not aten.embedding.default \
                 or node.kwargs or any(node.args[3:]) or node.args[0].op != "get_attr":
             continue

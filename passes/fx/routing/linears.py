@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from passes._infra import PassResult
+from passes._infra import PassResult, visiting
 from passes.fx.dtypes import CAST, dtype_of, is_amp_cast
 from passes.fx.nodes import fetch_attr
 from passes.fx.routing.parameter_uses import parameter_uses
@@ -32,7 +32,7 @@ def route_linears(gm: fx.GraphModule, linear_fn: Callable[..., Any], low: torch.
     """
     uses = parameter_uses(gm)
     modified = False
-    for node in list(gm.graph.nodes):
+    for node in visiting(list(gm.graph.nodes)):
         if node.op != "call_function" or node.target is not aten.linear.default \
                 or len(node.args) < 2 or node.kwargs:
             continue

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from passes._infra import PassResult
+from passes._infra import PassResult, visiting
 from passes.fx.dtypes import dtype_of
 from passes.policy import LOW
 
@@ -26,7 +26,7 @@ def route_low_precision(gm: fx.GraphModule, target: Any, fn: Callable[..., Any],
         True
     """
     modified = False
-    for node in list(gm.graph.nodes):
+    for node in visiting(list(gm.graph.nodes)):
         if node.op == "call_function" and node.target is target \
                 and node.meta.get("amp_precision") == LOW and dtype_of(
                     node.args[0] if node.args else node.kwargs.get(first)) == low:

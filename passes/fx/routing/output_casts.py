@@ -8,7 +8,7 @@ from typing import Any
 
 from torch import fx
 
-from passes._infra import PassResult
+from passes._infra import PassResult, visiting
 from passes.fx.dtypes import CAST, is_amp_cast
 
 
@@ -22,7 +22,7 @@ def route_output_casts(gm: fx.GraphModule, cast_fn: Callable[..., Any]) -> PassR
     """
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     modified = False
-    for i, node in enumerate(output.all_input_nodes):
+    for i, node in enumerate(visiting(output.all_input_nodes)):
         if is_amp_cast(node) and node.target is CAST and set(node.users) == {output} \
                 and set(node.kwargs) == {"dtype"}:
             with gm.graph.inserting_before(node):

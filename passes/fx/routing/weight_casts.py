@@ -7,7 +7,7 @@ from typing import Any
 
 from torch import fx
 
-from passes._infra import PassResult
+from passes._infra import PassResult, visiting
 from passes.fx.dtypes import is_amp_cast
 
 
@@ -27,7 +27,7 @@ def route_weight_casts(
     modified = False
     nodes = list(gm.graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
-    for node in nodes:
+    for node in visiting(nodes):
         if not is_amp_cast(node) or node.args[0].op != "get_attr" or not node.users:
             continue
         layout = {k: v for k, v in node.kwargs.items() if k == "memory_format"}
