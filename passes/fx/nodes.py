@@ -43,7 +43,7 @@ def target_info(t: Any) -> tuple[Any, str, bool]:
 
     Example:
         >>> target_info(torch.ops.aten._to_copy.default)[1:]
-        ('aten._to_copy.default', True)
+        ('aten._to_copy', True)
     """
     hit = _OP_KEYS.get(id(t))
     if hit is None or hit[0] is not t:
@@ -135,7 +135,7 @@ def is_cast_key(key: str) -> bool:
     """Whether a policy key names a cast op (``aten.to``, ``aten._to_copy``, ``aten.type_as``).
 
     Example:
-        >>> is_cast_key("aten._to_copy.default")
+        >>> is_cast_key("aten._to_copy")
         True
     """
     return key.startswith(CAST_OPS)

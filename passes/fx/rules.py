@@ -164,7 +164,7 @@ class Rules:
         rule = self._shared.get((fixed, default, io))
         if rule is None:
             rule = self._shared[(fixed, default, io)] = Rule(False, None, (), fixed, default,
-                                                              io)
+                                                             io)
         return rule
 
 

@@ -9,7 +9,9 @@ import pytest
 import torch
 from torch import nn
 
+import passes.fx.fusions.norm_casts as norm_casts
 from passes.fx.dtypes import dtype_of, is_amp_cast
+from passes.fx.verify import verify
 from tests.helpers import NORM_OPS, record
 from tests.passes.fx.fusions.helpers import ConvBlock, LnBlock, norm_nodes, passes
 
@@ -127,4 +129,19 @@ def test_max_pool_after_a_norm_runs_low_and_the_norm_is_fused(train):
     assert len(widen) == 1 and widen[0].users.keys() == {list(gm.graph.nodes)[-1]}  # output
     plain_pool = next(n for n in plain.graph.nodes if n.target is aten.max_pool2d.default)
     assert dtype_of(plain_pool) == torch.float32  # without fusion the pool ran fp32
+    torch.testing.assert_close(gm(x), plain(x), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("supported", [True, False])
+def test_norms_are_fused_only_where_the_probe_allows(monkeypatch, supported):
+    monkeypatch.setattr(norm_casts, "mixed_io_supported", lambda target, device, low: supported)
+    torch.manual_seed(0)
+    model = LnBlock().eval()
+    x = torch.randn(3, 16)
+    gm, plain = passes(copy.deepcopy(model), (x,), True), passes(model, (x,), False)
+    (ln,) = norm_nodes(gm)
+    assert ("amp_io" in ln.meta) == supported
+    assert (dtype_of(ln.args[0]) == torch.bfloat16) == supported
+    gm.graph.lint()
+    verify(gm, torch.bfloat16)
     torch.testing.assert_close(gm(x), plain(x), rtol=1e-2, atol=1e-2)
