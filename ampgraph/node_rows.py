@@ -11,7 +11,7 @@ import torch
 from ampgraph.config import dtype_name
 from ampgraph.module import Compiled
 from passes.fx.dtypes import dtype_of
-from passes.fx.graph import module_info, op_key
+from passes.fx.nodes import module_info, op_key
 from passes.policy import FP32, LOW, NA
 
 

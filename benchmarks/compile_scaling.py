@@ -41,11 +41,13 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from passes.fx.fold import count_casts, fold_casts  # noqa: E402
-from passes.fx.graph import build_dataflow, prepare  # noqa: E402
+from passes.fx.dataflow import build_dataflow  # noqa: E402
+from passes.fx.fold.cast_count import count_casts  # noqa: E402
+from passes.fx.fold.casts import fold_casts  # noqa: E402
 from passes.fx.hazards import mark_range_hazards  # noqa: E402
 from passes.fx.insert_casts import annotate, insert_casts  # noqa: E402
 from passes.fx.pipeline import gc_paused  # noqa: E402
+from passes.fx.prepare import prepare  # noqa: E402
 from passes.fx.verify import verify  # noqa: E402
 from passes.paint import paint  # noqa: E402
 from passes.policy import make_policy  # noqa: E402

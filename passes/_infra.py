@@ -1,11 +1,27 @@
-"""Small pass infrastructure: results, errors that name the pass and node, a manager."""
+"""Small pass infrastructure: results, errors that name the pass and node, a manager.
+
+How a failure names its node: a pass walks the nodes it processes through
+:func:`visiting` (``for node in visiting(graph.nodes): ...``), which records the node of
+each step for the :class:`PassManager` running the pass; a pass that fails names the node
+its innermost ``visiting`` loop was at (:func:`current_node`). The loop variable may have
+any name, and a helper the loop body calls needs nothing. Outside a ``PassManager`` run,
+``visiting`` is plain iteration.
+
+A pass that has not adopted ``visiting`` yet (the ONNX dialect's loops) is still served
+the older way: when no ``visiting`` loop ran, :func:`failing_node` looks through the
+traceback for a frame with a local variable called ``node``. Adopting the helper is one
+change per loop, ``for node in nodes:`` -> ``for node in visiting(nodes):``.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -57,24 +73,84 @@ def pass_name(p: Callable[..., Any]) -> str:
     return name or type(p).__name__
 
 
+# The visits of the pass the PassManager is running: one [node] slot per visiting loop,
+# innermost last. None outside a PassManager run (visiting then records nothing).
+_VISITS: ContextVar[list[list[Any]] | None] = ContextVar("pass_visits", default=None)
+
+
+def visiting(nodes: Iterable[T]) -> Iterator[T]:
+    """Iterate ``nodes``, recording each as the node the running pass is processing.
+
+    Under a :class:`PassManager`, a failure while a ``visiting`` loop is at a node names
+    that node (the innermost loop's, when loops nest). A loop left early (``break``, or the
+    failure itself) keeps its last node until an enclosing loop moves on or the pass ends:
+    a failure after a ``break`` names the node the loop stopped at. Outside a
+    ``PassManager`` run it is plain iteration.
+
+    Example:
+        >>> for node in visiting(gm.graph.nodes):
+        ...     rewrite(node)  # a KeyError here: PassError "[my_pass] at node 'linear'"
+    """
+    visits = _VISITS.get()
+    if visits is None:
+        yield from nodes
+        return
+    depth = len(visits)
+    slot: list[Any] = [None]
+    visits.append(slot)
+    above = depth + 1
+    for node in nodes:
+        if len(visits) > above:  # loops nested in the last step have ended: forget them
+            del visits[above:]
+        slot[0] = node
+        yield node
+    del visits[depth:]
+
+
+def current_node() -> Any | None:
+    """The node the innermost :func:`visiting` loop of the running pass is at, or None
+    (no ``visiting`` loop, or no :class:`PassManager` run).
+
+    Example:
+        >>> for node in visiting(gm.graph.nodes):
+        ...     assert current_node() is node
+    """
+    visits = _VISITS.get()
+    return visits[-1][0] if visits else None
+
+
+def _name_of(node: Any) -> str | None:
+    """A node's ``.name`` (``fx.Node``, ONNX ``NodeProto``) when it is a non-empty string."""
+    name = getattr(node, "name", None)
+    return name if isinstance(name, str) and name else None
+
+
 def failing_node(tb: TracebackType | None) -> str | None:
-    """The name of the node a pass was processing when it raised, from its traceback.
+    """The name of the node a pass was processing when it raised, from its traceback: the
+    way of passes that do not walk their nodes through :func:`visiting` (the
+    :class:`PassManager` asks it only when no ``visiting`` loop ran).
 
     The frames are searched from the innermost outward; the first one with a local variable
     called ``node`` holding an object with a string ``.name`` (an ``fx.Node``, an ONNX
-    ``NodeProto``) names it. Passes keep the node they work on in a local called ``node``
-    (``for node in graph.nodes: ...``), so this costs the passes nothing; a frame inside
-    torch that has a ``node`` local of its own may name the node it was handed instead,
-    which is the node being processed as well. None when no frame has one.
+    ``NodeProto``) names it. Such passes keep the node they work on in a local called
+    ``node`` (``for node in graph.nodes: ...``); a frame inside torch that has a ``node``
+    local of its own may name the node it was handed instead, which is the node being
+    processed as well. None when no frame has one.
+
+    Example:
+        >>> try:
+        ...     legacy_pass(gm)
+        ... except KeyError as exc:
+        ...     failing_node(exc.__traceback__)
+        'neg'
     """
     frames = []
     while tb is not None:
         frames.append(tb.tb_frame)
         tb = tb.tb_next
     for frame in reversed(frames):
-        node = frame.f_locals.get("node")
-        name = getattr(node, "name", None)
-        if isinstance(name, str) and name:
+        name = _name_of(frame.f_locals.get("node"))
+        if name is not None:
             return name
     return None
 
@@ -85,8 +161,9 @@ class PassManager:
     A pass that fails surfaces as :class:`PassError` naming it and, when known, the node it
     was processing: a ``PassError`` raised by the pass passes through as it is; any other
     exception is wrapped (chained as its ``__cause__``), the pass named by
-    :func:`pass_name` and the node found by :func:`failing_node`. A warning that a warnings
-    filter turned into an exception is the caller's choice, not a failure: it passes through.
+    :func:`pass_name` and the node by the pass's innermost :func:`visiting` loop (or, for a
+    pass without one, by :func:`failing_node`). A warning that a warnings filter turned into
+    an exception is the caller's choice, not a failure: it passes through.
 
     Example:
         >>> PassManager([fold_casts, named("verify", verify, torch.bfloat16)]).run(gm)
@@ -98,13 +175,20 @@ class PassManager:
     def run(self, graph: Any) -> PassResult:
         modified = False
         for p in self.passes:
+            visits: list[list[Any]] = []
+            token = _VISITS.set(visits)
             try:
                 result = p(graph)
             except (PassError, Warning):
                 raise
             except Exception as exc:  # name the pass that broke, and its node
-                raise PassError(pass_name(p), failing_node(exc.__traceback__),
+                node = _name_of(visits[-1][0]) if visits else None
+                if node is None:  # no visiting loop at a node: the older way
+                    node = failing_node(exc.__traceback__)
+                raise PassError(pass_name(p), node,
                                 f"{type(exc).__name__}: {exc}") from exc
+            finally:
+                _VISITS.reset(token)
             graph = result.graph
             modified |= result.modified
         return PassResult(graph, modified)

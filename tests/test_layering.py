@@ -1,8 +1,8 @@
 """The import rules of docs/architecture.md: which folder may import which.
 
 ``passes/`` never imports ``ampgraph``; inside ``ampgraph/`` each subpackage imports only the
-layers below it (the table :data:`MAY_IMPORT`); importing either package pulls in nothing
-heavy. Every import statement counts, including those inside functions (lazy imports are
+layers below it (the table :data:`MAY_IMPORT`); no module imports its own package's
+``__init__``; importing either package pulls in nothing heavy. Every import statement counts, including those inside functions (lazy imports are
 still dependencies).
 """
 
@@ -135,3 +135,45 @@ def test_import_ampgraph_is_lean():
               "'matplotlib', 'hypothesis', 'onnxconverter_common', 'lightning', "
               "'accelerate']; print([m for m in heavy if m in sys.modules])")
     assert out == "[]"
+
+
+def own_package_imports(files: list[pathlib.Path]) -> list[str]:
+    """``path:line`` of every import, in a module below a package, of that package's
+    ``__init__``: ``import pkg`` or ``from pkg import name`` where ``name`` is not one of its
+    modules (re-exports are for callers outside; inside they make import cycles). The
+    ``ampgraph`` root is left to :data:`MAY_IMPORT` (its entry points import the API)."""
+    found = []
+    for path in files:
+        if path.name == "__init__.py":
+            continue
+        package = ".".join(path.parent.relative_to(ROOT).parts)
+        if package == "ampgraph":
+            continue
+        modules = {p.stem for p in path.parent.glob("*.py")} | {
+            p.name for p in path.parent.iterdir() if (p / "__init__.py").exists()}
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                hit = any(a.name == package for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                hit = node.module == package and any(a.name not in modules for a in node.names)
+            else:
+                hit = False
+            if hit:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    return found
+
+
+@pytest.mark.parametrize("package", ["ampgraph", "passes"])
+def test_no_module_imports_its_own_packages_init(package):
+    assert own_package_imports(sorted((ROOT / package).rglob("*.py"))) == []
+
+
+def test_the_own_package_check_catches_a_re_export(tmp_path, monkeypatch):
+    fold = tmp_path / "passes" / "fx" / "fold"
+    fold.mkdir(parents=True)
+    (fold / "__init__.py").write_text("from passes.fx.fold.casts import fold_casts\n")
+    (fold / "casts.py").write_text("def fold_casts(gm):\n    return gm\n")
+    (fold / "dead.py").write_text("from passes.fx.fold import casts\n"
+                                  "from passes.fx.fold import fold_casts\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert own_package_imports(sorted(fold.glob("*.py"))) == ["passes/fx/fold/dead.py:2"]

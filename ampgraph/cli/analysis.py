@@ -34,7 +34,7 @@ from ampgraph.config import dtype_name
 from ampgraph.module import Compiled
 from ampgraph.node_rows import node_rows
 from passes.fx.dtypes import dtype_of
-from passes.fx.graph import op_key
+from passes.fx.nodes import op_key
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 

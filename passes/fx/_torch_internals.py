@@ -11,7 +11,7 @@ Hot paths (per node of a graph) take aliases, not wrapper functions: a C-level
 take a call; the passes budget ~20 us per node.
 
 (The one private non-torch internal, networkx's adjacency dicts, is used where the dataflow
-graph is built: ``passes.fx.graph.build_dataflow``.)
+graph is built: ``passes.fx.dataflow.build_dataflow``.)
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ aten = torch.ops.aten
 
 
 @functools.cache
-def _mixed_io_supported(target, device: torch.device | None, low: torch.dtype) -> bool:
+def mixed_io_supported(target, device: torch.device | None, low: torch.dtype) -> bool:
     """Whether ``target`` runs forward and backward with a ``low`` input and fp32 weights on
     ``device`` (a real run on tiny tensors: kernels differ by device and version).
 
@@ -23,7 +23,7 @@ def _mixed_io_supported(target, device: torch.device | None, low: torch.dtype) -
     fed its low-precision input directly only where this holds.
 
     Example:
-        >>> _mixed_io_supported(aten.layer_norm.default, torch.device("cpu"), torch.bfloat16)
+        >>> mixed_io_supported(aten.layer_norm.default, torch.device("cpu"), torch.bfloat16)
         True
     """
     if device is None:

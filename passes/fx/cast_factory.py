@@ -16,12 +16,16 @@ from torch import fx
 
 from passes._infra import ConstantRangeWarning, PassError
 from passes.fx._torch_internals import CAN_RELINK, cast_node_name, create_node_hooks, relink
-from passes.fx.dtypes import CAST, _set_dtype, _widening, dtype_of
-from passes.fx.graph import explicit_cast_dtype, fetch_attr
+from passes.fx.dtypes import CAST, dtype_of, is_widening, set_dtype
+from passes.fx.nodes import explicit_cast_dtype, fetch_attr
 
 
-class _Caster:
-    """Creates and shares cast nodes: one per (producer, dtype)."""
+class Caster:
+    """Creates and shares cast nodes: one per (producer, dtype).
+
+    Example:
+        >>> caster = Caster(gm, graph_fake_mode(list(gm.graph.nodes)))
+    """
 
     def __init__(self, gm: fx.GraphModule, fake_mode: Any):
         self.gm = gm
@@ -56,7 +60,7 @@ class _Caster:
         if src_meta.get("amp_cast") or explicit_cast_dtype(src) is not None:
             inner = src.args[0]
             if (isinstance(inner, fx.Node) and dtype_of(inner) == dtype
-                    and _widening(dtype, dtype_of(src))):
+                    and is_widening(dtype, dtype_of(src))):
                 return inner
         key = self._key(src)
         casts = self.cache.get(dtype)
@@ -91,7 +95,7 @@ class _Caster:
         if "nn_module_stack" in src_meta:
             meta["nn_module_stack"] = src_meta["nn_module_stack"]
         meta["val"] = src_meta.get("val")  # shapes; the dtype is amp_dtype
-        _set_dtype(cast, dtype)
+        set_dtype(cast, dtype)
         casts[key] = cast
         self.count += 1
         return cast

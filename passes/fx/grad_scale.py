@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from passes._infra import PassResult
+from passes._infra import PassResult, visiting
 
 __all__ = ["GRAD_SCALE_META", "insert_grad_scales", "node_regions"]
 
@@ -53,7 +53,7 @@ def node_regions(gm: fx.GraphModule, layers: Mapping[str, int]
     """
     region: dict[fx.Node, int] = {}
     grad: dict[fx.Node, bool] = {}
-    for node in gm.graph.nodes:
+    for node in visiting(gm.graph.nodes):
         if node.op == "placeholder":
             region[node], grad[node] = 0, False
         elif node.op == "get_attr":
@@ -94,7 +94,7 @@ def insert_grad_scales(
     region, grad = node_regions(gm, layers)
     made: dict[tuple[fx.Node, int], fx.Node] = {}
     modified = False
-    for node in list(graph.nodes):
+    for node in visiting(list(graph.nodes)):
         if node.op in ("placeholder", "get_attr"):
             continue
         dst = region[node]

@@ -24,8 +24,8 @@ import networkx as nx
 import torch
 from torch import fx
 
-from passes._infra import ConstantRangeWarning
-from passes.fx.graph import SHORT_NAMES, op_key
+from passes._infra import ConstantRangeWarning, visiting
+from passes.fx.nodes import SHORT_NAMES, op_key
 from passes.paint import COMPUTE
 from passes.policy import FP32
 
@@ -136,7 +136,7 @@ def mark_range_hazards(graph: nx.DiGraph, gm: fx.GraphModule, low: torch.dtype) 
         if data is not None and data.get("kind") == COMPUTE and not data.get("forced"):
             data["forced"] = (FP32, reason)
 
-    for node in list(gm.graph.nodes):
+    for node in visiting(list(gm.graph.nodes)):
         op = node.op
         if op == "call_function":
             values = _scalars(node, big, tiny)

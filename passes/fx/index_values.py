@@ -19,6 +19,7 @@ from __future__ import annotations
 import networkx as nx
 from torch import fx
 
+from passes._infra import visiting
 from passes.paint import COMPUTE
 from passes.policy import FP32
 
@@ -37,7 +38,7 @@ def mark_index_values(graph: nx.DiGraph, gm: fx.GraphModule) -> int:
     data_free: dict[str, bool] = {}  # vertex -> no float graph input or parameter upstream
     pred, attrs = graph.pred, graph.nodes
     forced = 0
-    for node in gm.graph.nodes:
+    for node in visiting(gm.graph.nodes):
         name = node.name
         if name not in pred:
             continue

@@ -22,20 +22,20 @@ from typing import Any
 import torch
 from torch import fx
 
-from passes._infra import PassError, PassResult
+from passes._infra import PassError, PassResult, visiting
 from passes.fx._torch_internals import input_nodes, relink, tree_map
-from passes.fx.cast_factory import _Caster
-from passes.fx.dtypes import _float_dtypes, _orig_dtype, dtype_of
-from passes.fx.graph import FLOATS, is_view
-from passes.fx.propagate import _UNKNOWN, _detect_fake_mode, _DtypeTracker
-from passes.fx.rules import KEEP, _Rules, _slots, mutated_slots
+from passes.fx.cast_factory import Caster
+from passes.fx.dtypes import dtype_of, float_dtypes, orig_dtype
+from passes.fx.nodes import FLOATS, is_view
+from passes.fx.propagate import UNKNOWN, DtypeTracker, graph_fake_mode
+from passes.fx.rules import KEEP, Rules, input_slots, mutated_slots
 from passes.paint import Decision
 from passes.policy import LOW
 
 
 def annotate(gm: fx.GraphModule, decisions: Mapping[str, Decision]) -> None:
     """Write the painter's decisions into ``node.meta`` (analysis only, no rewrite)."""
-    for node in gm.graph.nodes:
+    for node in visiting(gm.graph.nodes):
         meta = node.meta
         d = decisions.get(node.name)
         if d is not None:
@@ -64,24 +64,24 @@ def insert_casts(
     """
     graph = gm.graph
     nodes = list(graph.nodes)
-    fake_mode = _detect_fake_mode(nodes)
+    fake_mode = graph_fake_mode(nodes)
     if fake_mode is None:
         raise PassError("insert_casts", None, "nodes carry no fake-tensor metadata; capture "
                         "the model with torch.export first")
-    caster = _Caster(gm, fake_mode)
-    rules = _Rules(low)
-    tracker = _DtypeTracker(fake_mode, exact)
+    caster = Caster(gm, fake_mode)
+    rules = Rules(low)
+    tracker = DtypeTracker(fake_mode, exact)
     captured: set[torch.dtype] = set()  # the float dtypes of the captured graph
-    for node in nodes:
+    for node in visiting(nodes):
         meta = node.meta
         val = meta.get("val")
         if "amp_dtype" not in meta:  # record every node's dtype before any rewrite
             dtype = val.dtype if isinstance(val, torch.Tensor) else dtype_of(node)
             if dtype is not None:
                 meta["amp_dtype"] = dtype
-        captured |= _float_dtypes(meta.get("amp_orig_val", val))
+        captured |= float_dtypes(meta.get("amp_orig_val", val))
     tracker.one_float = len(captured) <= 1
-    for node in nodes:
+    for node in visiting(nodes):
         op = node.op
         if op != "call_function":
             if op == "output" and keep_io_types:
@@ -92,7 +92,7 @@ def insert_casts(
             continue
         rule = rules.of(node)
         changed = False
-        first: Any = _UNKNOWN  # dtype of the first float input after the rewrite
+        first: Any = UNKNOWN  # dtype of the first float input after the rewrite
         swap: dict[fx.Node, fx.Node] | None = None  # by-node rules: input -> its cast
         if rule.by_node:  # the common case: each input once, wherever it is used
             first = None
@@ -114,7 +114,7 @@ def insert_casts(
             first = None
             replace: dict[tuple[Any, fx.Node], fx.Node] | None = None
             want_of = rule.want
-            for slot, arg in _slots(node):
+            for slot, arg in input_slots(node):
                 have = arg.meta.get("amp_dtype")  # dtype_of(arg): every dtype is recorded
                 if have in FLOATS:
                     want = want_of(slot, arg)
@@ -145,13 +145,13 @@ def _recast_after_writes(graph: fx.Graph) -> int:
     nodes = list(graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
     writes: dict[fx.Node, list[int]] = {}  # base tensor -> positions of writes into it
-    for node in nodes:
+    for node in visiting(nodes):
         for slot in mutated_slots(node):
             arg = node.args[slot] if slot < len(node.args) else None
             if isinstance(arg, fx.Node):
                 writes.setdefault(_base(arg), []).append(position[node])
     added = 0
-    for cast in (n for n in nodes if writes and n.meta.get("amp_cast")):
+    for cast in visiting(n for n in nodes if writes and n.meta.get("amp_cast")):
         marks = writes.get(_base(cast.args[0])) if isinstance(cast.args[0], fx.Node) else None
         for user in list(cast.users) if marks else ():
             if any(position[cast] < m < position.get(user, len(nodes)) for m in marks):
@@ -212,10 +212,10 @@ def _swap(value: Any, slot: Any, replace: Mapping) -> Any:
     return value
 
 
-def _cast_outputs(node: fx.Node, caster: _Caster) -> None:
+def _cast_outputs(node: fx.Node, caster: Caster) -> None:
     def back(v: Any) -> Any:
         if isinstance(v, fx.Node):
-            orig, cur = _orig_dtype(v), dtype_of(v)
+            orig, cur = orig_dtype(v), dtype_of(v)
             if orig in FLOATS and cur in FLOATS and orig != cur:
                 return caster.get(v, orig)
         return v

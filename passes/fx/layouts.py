@@ -23,7 +23,7 @@ import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from passes._infra import PassResult
+from passes._infra import PassResult, visiting
 from passes.fx.dtypes import dtype_of
 
 aten = torch.ops.aten
@@ -40,7 +40,7 @@ def contiguous_linear_inputs(gm: fx.GraphModule, low: torch.dtype) -> PassResult
     """
     graph = gm.graph
     modified = False
-    for node in graph.find_nodes(op="call_function", target=LINEAR):
+    for node in visiting(graph.find_nodes(op="call_function", target=LINEAR)):
         x = node.args[0]
         if not isinstance(x, fx.Node) or dtype_of(x) != low or x.target is CONTIGUOUS:
             continue

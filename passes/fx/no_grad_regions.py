@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from torch import fx
 
+from passes._infra import visiting
+
 
 def inline_no_grad_regions(gm: fx.GraphModule) -> int:
     """Inline ``wrap_with_set_grad_enabled(False, body, *inputs)`` calls (a ``no_grad``
@@ -26,7 +28,7 @@ def inline_no_grad_regions(gm: fx.GraphModule) -> int:
     hop = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
     graph = gm.graph
     inlined = 0
-    for node in list(graph.nodes):
+    for node in visiting(list(graph.nodes)):
         if node.op != "call_function" or node.target is not hop or node.args[0] is not False:
             continue
         body_node = node.args[1]

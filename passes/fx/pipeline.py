@@ -12,32 +12,25 @@ import torch
 from torch import fx
 
 from passes._infra import PassManager, PassResult, named
-from passes.fx.fold import (
-    count_casts,
-    drop_dead_ops,
-    fold_casts,
-    merge_duplicate_ops,
-    skip_whole_slices,
-)
-from passes.fx.fusions import (
-    channels_last_inputs,
-    fuse_norm_casts,
-    group_kv_heads,
-    sink_gather_casts,
-)
-from passes.fx.graph import build_dataflow, prepare
+from passes.fx.dataflow import build_dataflow
+from passes.fx.fold.cast_count import count_casts
+from passes.fx.fold.casts import fold_casts
+from passes.fx.fold.dead_ops import drop_dead_ops
+from passes.fx.fold.duplicate_ops import merge_duplicate_ops
+from passes.fx.fold.whole_slices import skip_whole_slices
+from passes.fx.fusions import channels_last, gather_casts, norm_casts
+from passes.fx.fusions.kv_heads import group_kv_heads
 from passes.fx.hazards import mark_range_hazards
 from passes.fx.index_values import mark_index_values
 from passes.fx.insert_casts import annotate, insert_casts
 from passes.fx.layouts import contiguous_linear_inputs
-from passes.fx.routing import (
-    route_attention,
-    route_dropouts,
-    route_embeddings,
-    route_linears,
-    route_output_casts,
-    route_weight_casts,
-)
+from passes.fx.prepare import prepare
+from passes.fx.routing.attention import route_attention
+from passes.fx.routing.dropouts import route_dropouts
+from passes.fx.routing.embeddings import route_embeddings
+from passes.fx.routing.linears import route_linears
+from passes.fx.routing.output_casts import route_output_casts
+from passes.fx.routing.weight_casts import route_weight_casts
 from passes.fx.runtime_ops import ATEN_ONLY, RuntimeOps
 from passes.fx.verify import verify
 from passes.fx.weight_groups import group_weight_casts
@@ -80,7 +73,9 @@ def run_amp_passes(
     low: torch.dtype,
     *,
     keep_io_types: bool = True,
-    fuse_norms: bool = True,
+    fuse_norm_casts: bool = True,
+    channels_last_inputs: bool = True,
+    sink_gather_casts: bool = True,
     runtime: RuntimeOps = ATEN_ONLY,
 ) -> FxAmpResult:
     """Rewrite ``gm`` in place for mixed precision and verify the result.
@@ -90,10 +85,14 @@ def run_amp_passes(
         policy: from ``passes.policy.make_policy``.
         low: torch.bfloat16 or torch.float16.
         keep_io_types: cast float outputs back to their original dtype.
-        fuse_norms: let fp32 norms take and return ``low`` activations where every use
-            wanted ``low``, cast 4-D inputs of convolutions to channels-last and cast
-            embedding lookups instead of their tables (``passes.fx.fusions``): same
-            numbers, fewer bytes copied.
+        fuse_norm_casts: let fp32 norms take and return ``low`` activations where every
+            use wanted ``low`` (``passes.fx.fusions.norm_casts``).
+        channels_last_inputs: cast 4-D inputs of convolutions, then the convolutions'
+            weights, to channels-last (``passes.fx.fusions.channels_last``).
+        sink_gather_casts: cast embedding lookups instead of their tables
+            (``passes.fx.fusions.gather_casts``).
+            These three fusions keep every value and copy fewer bytes; each switch runs
+            the pass of its name.
         runtime: what the device's runtime carries out its own way (``RuntimeOps``: the
             routed ops, and whether attention takes unrepeated grouped key/value heads);
             by default every op stays aten's.
@@ -109,7 +108,8 @@ def run_amp_passes(
     state = PipelineState()
     with gc_paused():
         PassManager(amp_passes(
-            policy, low, state, keep_io_types=keep_io_types, fuse_norms=fuse_norms,
+            policy, low, state, keep_io_types=keep_io_types, fuse_norm_casts=fuse_norm_casts,
+            channels_last_inputs=channels_last_inputs, sink_gather_casts=sink_gather_casts,
             runtime=runtime)).run(gm)
     return FxAmpResult(gm, state.decisions, state.casts)
 
@@ -129,7 +129,9 @@ def amp_passes(
     state: PipelineState,
     *,
     keep_io_types: bool = True,
-    fuse_norms: bool = True,
+    fuse_norm_casts: bool = True,
+    channels_last_inputs: bool = True,
+    sink_gather_casts: bool = True,
     runtime: RuntimeOps = ATEN_ONLY,
 ) -> list[Callable[[fx.GraphModule], PassResult]]:
     """The passes :func:`run_amp_passes` runs, in order, each a named ``fn(gm) ->
@@ -157,12 +159,13 @@ def amp_passes(
         named("insert_casts", insert_casts, low, keep_io_types=keep_io_types, recompile=False),
         named("fold_casts", fold_casts, recompile=False),
     ]
-    if fuse_norms:
-        passes += [
-            named("fuse_norm_casts", fuse_norm_casts, low),
-            named("channels_last_inputs", channels_last_inputs, low),
-            named("sink_gather_casts", sink_gather_casts, low),
-        ]
+    # each switch runs the pass of its name (the module is named: the switch shadows it)
+    if fuse_norm_casts:
+        passes.append(named("fuse_norm_casts", norm_casts.fuse_norm_casts, low))
+    if channels_last_inputs:
+        passes.append(named("channels_last_inputs", channels_last.channels_last_inputs, low))
+    if sink_gather_casts:
+        passes.append(named("sink_gather_casts", gather_casts.sink_gather_casts, low))
     if runtime.unrepeated_kv_heads:
         passes.append(named("group_kv_heads", group_kv_heads))
     passes += [

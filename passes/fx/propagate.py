@@ -4,7 +4,7 @@ An op whose float inputs and outputs all had one dtype in the captured graph fol
 first float input; any other op is re-run on fake tensors to learn its output dtype, once
 per signature (op, input dtypes/shapes/strides, other arguments): an op met again with a
 signature already run, whose value already matches that run's result, keeps it (see
-:class:`_DtypeTracker`). ``exact=True`` re-runs every op: slower, used by tests to check the
+:class:`DtypeTracker`). ``exact=True`` re-runs every op: slower, used by tests to check the
 fast paths.
 """
 
@@ -25,19 +25,23 @@ from passes.fx._torch_internals import (
     input_nodes,
     tree_map,
 )
-from passes.fx.dtypes import _NO_FLOATS, _float_dtypes, _set_dtype, dtype_of
-from passes.fx.graph import FLOATS, op_key, tensors
-from passes.fx.rules import _slots
+from passes.fx.dtypes import NO_FLOATS, dtype_of, float_dtypes, set_dtype
+from passes.fx.nodes import FLOATS, op_key, tensors
+from passes.fx.rules import input_slots
 
-_UNKNOWN = object()
+UNKNOWN = object()  # a dtype not known yet (DtypeTracker learns it by running the op)
 _PLAIN = (int, float, bool, str, torch.SymInt, torch.SymFloat, torch.SymBool)
 
 
-def _detect_fake_mode(nodes: list[fx.Node]) -> Any:
+def graph_fake_mode(nodes: list[fx.Node]) -> Any:
     """``detect_fake_mode`` over the nodes' values, handed one fake tensor per fake mode.
 
     Which mode it returns, and whether it finds two, depends only on the order in which
     modes first appear; a graph holds tens of thousands of fake tensors of one mode.
+
+    Example:
+        >>> graph_fake_mode(list(gm.graph.nodes)) is x_node.meta["val"].fake_mode
+        True
     """
     leaves: list[Any] = []
     modes: set[int] = set()
@@ -121,7 +125,7 @@ def _sig(value: Any) -> Any:
     raise _Unkeyable
 
 
-class _DtypeTracker:
+class DtypeTracker:
     """Learns the dtype a rewritten node outputs (``meta["amp_dtype"]``, ``meta["val"]``).
 
     - An op whose float inputs and outputs all had one dtype in the captured graph, with
@@ -136,6 +140,9 @@ class _DtypeTracker:
       operator ``getitem`` (no kernel, it returns the producer's own tensor).
 
     ``exact=True`` runs every op (the reference the tests compare the rule with).
+
+    Example:
+        >>> tracker = DtypeTracker(graph_fake_mode(nodes), exact=False)
     """
 
     def __init__(self, fake_mode: Any, exact: bool):
@@ -150,7 +157,7 @@ class _DtypeTracker:
         # outputs had it: an op follows its inputs unless it names a dtype
         self.one_float = False
 
-    def propagate(self, node: fx.Node, first: Any = _UNKNOWN,
+    def propagate(self, node: fx.Node, first: Any = UNKNOWN,
                   swap: Mapping[fx.Node, fx.Node] | None = None) -> None:
         """Set ``node``'s dtype after its inputs were rewired. ``first``: the dtype of its
         first float input, when the caller knows it (None: it has none). ``swap``: the
@@ -159,23 +166,23 @@ class _DtypeTracker:
             val = node.meta.get("val")
             single = isinstance(val, torch.Tensor) or len(tensors(val)) == 1
             if single and self._follows_inputs(node):
-                if first is _UNKNOWN:
-                    first = next((d for _, a in _slots(node) if (d := dtype_of(a)) in FLOATS),
+                if first is UNKNOWN:
+                    first = next((d for _, a in input_slots(node) if (d := dtype_of(a)) in FLOATS),
                                  None)
                 if first is not None:
-                    _set_dtype(node, first)
+                    set_dtype(node, first)
                     return
             if node.target is not operator.getitem:
                 if swap is not None and _sees_captured_inputs(node, swap):
                     node.meta.pop("amp_dtype", None)  # its captured value still holds
-                    _set_dtype(node, dtype_of(node))
+                    set_dtype(node, dtype_of(node))
                     return
                 key = self._run_key(node)
                 if key is not None:
                     known = self.results.get(key)
                     if known is not None and known == _val_sig(val):
                         node.meta.pop("amp_dtype", None)
-                        _set_dtype(node, dtype_of(node))
+                        set_dtype(node, dtype_of(node))
                         return
                     self._run(node)
                     out = _val_sig(node.meta.get("val"))
@@ -185,23 +192,23 @@ class _DtypeTracker:
         self._run(node)
 
     def _floats_of(self, a: fx.Node, own: bool) -> frozenset:
-        """:func:`_float_dtypes` of a node's captured value (``own``: no ``val`` fallback).
+        """:func:`float_dtypes` of a node's captured value (``own``: no ``val`` fallback).
 
         Cached where it cannot change during the pass: ``amp_orig_val``, and the value of a
         cast (casts are never re-run).
         """
         meta = a.meta
         if own and "amp_orig_val" not in meta:
-            return _NO_FLOATS
+            return NO_FLOATS
         hit = self._orig_floats.get(a)
         if hit is not None:
             return hit
         if "amp_orig_val" in meta:
-            found = _float_dtypes(meta["amp_orig_val"])
+            found = float_dtypes(meta["amp_orig_val"])
         elif meta.get("amp_cast"):
-            found = _float_dtypes(meta.get("val"))
+            found = float_dtypes(meta.get("val"))
         else:
-            return _float_dtypes(meta.get("val"))
+            return float_dtypes(meta.get("val"))
         hit = self._orig_floats[a] = self._shared.setdefault(found, found)
         return hit
 
@@ -268,7 +275,7 @@ class _DtypeTracker:
             raise PassError("insert_casts", node.name,
                             f"could not re-run {op_key(node)} on the new dtypes: {exc}") from exc
         node.meta.pop("amp_dtype", None)
-        _set_dtype(node, dtype_of(node))
+        set_dtype(node, dtype_of(node))
 
 
 def _sees_captured_inputs(node: fx.Node, swap: Mapping[fx.Node, fx.Node]) -> bool:

@@ -1,7 +1,7 @@
 """What each node needs of its float inputs: the rule cast insertion follows and verify checks.
 
-:func:`required_dtype` is the definition; :class:`_Rules` splits it into a per-node part
-(:class:`_Rule`, worked out once per node and shared between equal nodes) and a per-input
+:func:`required_dtype` is the definition; :class:`Rules` splits it into a per-node part
+(:class:`Rule`, worked out once per node and shared between equal nodes) and a per-input
 part, which is how ``passes.fx.insert_casts`` and ``passes.fx.verify`` both use it.
 """
 
@@ -14,7 +14,7 @@ from torch import fx
 
 from passes.fx._torch_internals import OpOverload, op_schema
 from passes.fx.dtypes import dtype_of
-from passes.fx.graph import FLOATS, _is_cast_key, explicit_cast_dtype, op_key, tensors
+from passes.fx.nodes import FLOATS, explicit_cast_dtype, is_cast_key, op_key, tensors
 from passes.policy import FP32, LOW, fixed_slots
 
 KEEP = "keep"  # an input taken as it is
@@ -46,25 +46,29 @@ def required_dtype(node: fx.Node, slot: int | str, arg: fx.Node, low: torch.dtyp
     """The dtype input ``arg`` (at position/kwarg ``slot``) must have, or KEEP.
 
     This one function decides for both cast insertion and verification (both go through
-    :class:`_Rules`, which splits the decision into a per-node and a per-input part).
+    :class:`Rules`, which splits the decision into a per-node and a per-input part).
 
     Example:
         >>> required_dtype(linear_node, 0, x_node, torch.bfloat16)
         torch.bfloat16
     """
-    return _Rules(low).of(node).want(slot, arg)
+    return Rules(low).of(node).want(slot, arg)
 
 
 _ORIG = "orig"  # the input's original dtype
 
 
-class _Rule:
+class Rule:
     """What one node needs of its float inputs (the node half of :func:`required_dtype`).
 
     ``keep_all``: every input is taken as it is; ``mutated``: an in-place op's written
     positions (those inputs are kept, the others follow the written operand); otherwise
     inputs at ``fixed`` positions keep their original dtype and the others get ``default``
     (the low dtype, ``_ORIG`` or KEEP).
+
+    Example:
+        >>> Rules(torch.bfloat16).of(linear_node).want(0, x_node)
+        torch.bfloat16
     """
 
     __slots__ = ("keep_all", "node", "mutated", "fixed", "default", "io", "by_node")
@@ -107,27 +111,33 @@ class _Rule:
         return orig if default is _ORIG else default
 
 
-_KEEP_ALL = _Rule(True)
+_KEEP_ALL = Rule(True)
 
 
-class _Rules:
-    """Builds the :class:`_Rule` of each node, looking up what depends on the op once per
-    op (policy key, fixed and written positions) and sharing equal rules."""
+class Rules:
+    """Builds the :class:`Rule` of each node, looking up what depends on the op once per
+    op (policy key, fixed and written positions) and sharing equal rules.
+
+    Example:
+        >>> rules = Rules(torch.bfloat16)
+        >>> [rules.of(n).want(slot, a) for slot, a in input_slots(n)]
+        [torch.bfloat16, torch.bfloat16]
+    """
 
     def __init__(self, low: torch.dtype):
         self.low = low
         # id(target) -> (target, getitem, a cast op, written positions, fixed positions)
         self._targets: dict[int, tuple] = {}
-        self._shared: dict[tuple, _Rule] = {}
+        self._shared: dict[tuple, Rule] = {}
 
     def _target(self, node: fx.Node) -> tuple:
         """(target, getitem, a cast op, written positions, fixed positions), stored."""
         target, key = node.target, op_key(node)
         hit = self._targets[id(target)] = (  # by id: some targets hash slowly
-            target, key == "getitem", _is_cast_key(key), mutated_slots(node), fixed_slots(key))
+            target, key == "getitem", is_cast_key(key), mutated_slots(node), fixed_slots(key))
         return hit
 
-    def of(self, node: fx.Node) -> _Rule:
+    def of(self, node: fx.Node) -> Rule:
         meta = node.meta
         if meta.get("amp_inserted"):
             return _KEEP_ALL
@@ -139,7 +149,7 @@ class _Rules:
         if getitem or (cast_op and explicit_cast_dtype(node) is not None):
             return _KEEP_ALL
         if mutated:
-            return _Rule(False, node, mutated)
+            return Rule(False, node, mutated)
         precision = meta.get("amp_precision")
         if precision == LOW:
             default: Any = self.low
@@ -153,13 +163,18 @@ class _Rules:
         io = meta.get("amp_io")
         rule = self._shared.get((fixed, default, io))
         if rule is None:
-            rule = self._shared[(fixed, default, io)] = _Rule(False, None, (), fixed, default,
-                                                              io)
+            rule = self._shared[(fixed, default, io)] = Rule(False, None, (), fixed, default,
+                                                             io)
         return rule
 
 
-def _slots(node: fx.Node):
-    """(slot, node) for every Node input, slots being arg index or kwarg name."""
+def input_slots(node: fx.Node):
+    """(slot, node) for every Node input, slots being arg index or kwarg name.
+
+    Example:
+        >>> list(input_slots(add_node))  # aten.add.Tensor(x, y, alpha=2)
+        [(0, x), (1, y)]
+    """
     for i, a in enumerate(node.args):
         if isinstance(a, fx.Node):
             yield i, a

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from passes._infra import PassError, PassResult
+from passes._infra import PassError, PassResult, visiting
 from passes.fx.dtypes import dtype_of
-from passes.fx.rules import KEEP, _Rules, _slots
+from passes.fx.rules import KEEP, Rules, input_slots
 
 
 def verify(gm: fx.GraphModule, low: torch.dtype) -> PassResult:
@@ -22,9 +22,9 @@ def verify(gm: fx.GraphModule, low: torch.dtype) -> PassResult:
     Example:
         >>> verify(gm, torch.bfloat16)
     """
-    rules = _Rules(low)
+    rules = Rules(low)
     seen: set[fx.Node] = set()
-    for node in gm.graph.nodes:
+    for node in visiting(gm.graph.nodes):
         inputs = node.all_input_nodes
         for arg in inputs:
             if arg not in seen:
@@ -39,7 +39,7 @@ def verify(gm: fx.GraphModule, low: torch.dtype) -> PassResult:
         if rule.by_node:  # each input once, wherever it is used
             pairs = ((arg.name, arg, rule.want_node(arg)) for arg in inputs)
         else:
-            pairs = ((slot, arg, rule.want(slot, arg)) for slot, arg in _slots(node))
+            pairs = ((slot, arg, rule.want(slot, arg)) for slot, arg in input_slots(node))
         for slot, arg, want in pairs:
             meta = arg.meta
             have = meta["amp_dtype"] if "amp_dtype" in meta else dtype_of(arg)

@@ -21,7 +21,7 @@ from typing import Any
 
 from torch import fx
 
-from passes._infra import PassResult
+from passes._infra import PassResult, visiting
 from passes.fx.dtypes import is_amp_cast
 
 
@@ -59,7 +59,7 @@ def group_weight_casts(gm: fx.GraphModule, make_group: Callable[..., Any],
             call.meta["val"] = tuple(c.meta.get("val") for c in members)
             call.meta["amp_cast"] = True
             call.meta["amp_reason"] = f"{len(members)} parameter casts as one group"
-        for i, cast in enumerate(members):
+        for i, cast in enumerate(visiting(members)):
             with gm.graph.inserting_before(first):
                 item = gm.graph.call_function(operator.getitem, (call, i))
             item.meta.update(cast.meta)

@@ -1,4 +1,5 @@
-"""passes/_infra.py: PassManager names the pass and the node of any failure."""
+"""passes/_infra.py: PassManager names the pass and the node of any failure: the node of
+the pass's innermost ``visiting`` loop, or (for passes without one) a frame's ``node`` local."""
 
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ from passes._infra import (
     PassError,
     PassManager,
     PassResult,
+    current_node,
     failing_node,
     named,
     pass_name,
+    visiting,
 )
 
 
@@ -126,3 +129,100 @@ def test_pass_names():
             return PassResult(gm, False)
 
     assert pass_name(Fold()) == "Fold"
+
+
+def test_visiting_names_the_node_whatever_the_loop_variable_is_called():
+    def lookup(gm):
+        table = {"x": 0}
+        for n in visiting(gm.graph.nodes):  # not called node
+            check(table, n.name)
+        return PassResult(gm, False)
+
+    def check(table, key):  # a helper without any node of its own
+        table[key]
+
+    with pytest.raises(PassError) as info:
+        PassManager([lookup]).run(small_graph())
+    assert (info.value.pass_name, info.value.node) == ("lookup", "relu")
+    assert str(info.value) == "[lookup] at node 'relu': KeyError: 'relu'"
+
+
+def test_visiting_beats_a_node_local_of_another_frame():
+    def helper(gm):
+        node = gm.graph.output_node()  # a local called node, naming another node
+        raise ValueError(node.name)
+
+    def outer(gm):
+        for current in visiting(gm.graph.nodes):
+            if current.name == "neg":
+                helper(gm)
+        return PassResult(gm, False)
+
+    with pytest.raises(PassError) as info:
+        PassManager([named("outer", outer)]).run(small_graph())
+    assert info.value.node == "neg"
+
+
+def test_nested_visiting_loops_name_the_innermost_and_forget_finished_ones():
+    def nested(gm, fail_inside):
+        nodes = list(gm.graph.nodes)
+        for outer in visiting(nodes):
+            for inner in visiting(nodes[:1]):  # finishes: the outer node is current again
+                assert current_node() is inner
+            assert current_node() is outer
+            if outer.name == "neg":
+                if fail_inside:
+                    for inner in visiting([outer.prev]):
+                        raise ValueError(inner.name)
+                raise ValueError(outer.name)
+        return PassResult(gm, False)
+
+    for fail_inside, where in [(False, "neg"), (True, "relu")]:
+        with pytest.raises(PassError) as info:
+            PassManager([named("nested", nested, fail_inside)]).run(small_graph())
+        assert info.value.node == where
+
+
+def test_a_loop_left_early_names_where_it_stopped_until_the_pass_ends():
+    def breaks(gm):
+        for node in visiting(gm.graph.nodes):
+            if node.name == "relu":
+                break
+        raise RuntimeError("after the loop")
+
+    def plain(gm):
+        raise RuntimeError("no loop")
+
+    with pytest.raises(PassError) as info:
+        PassManager([breaks]).run(small_graph())
+    assert info.value.node == "relu"
+
+    def stops(gm):
+        for node in visiting(gm.graph.nodes):
+            if node.name == "relu":
+                break
+        return PassResult(gm, False)
+
+    with pytest.raises(PassError) as info:  # the next pass starts with nothing recorded
+        PassManager([stops, plain]).run(small_graph())
+    assert (info.value.pass_name, info.value.node) == ("plain", None)
+
+
+def test_visiting_outside_a_pass_manager_is_plain_iteration():
+    gm = small_graph()
+    assert list(visiting(gm.graph.nodes)) == list(gm.graph.nodes)
+    for node in visiting(gm.graph.nodes):
+        assert current_node() is None and node is not None
+    assert current_node() is None
+
+
+def test_visiting_items_without_a_name_fall_back_to_the_node_local():
+    def pairs(gm):
+        for i, node in visiting(enumerate(gm.graph.nodes)):  # tuples: no name
+            if node.name == "neg":
+                raise ValueError(i)
+        return PassResult(gm, False)
+
+    with pytest.raises(PassError) as info:
+        PassManager([pairs]).run(small_graph())
+    assert info.value.node == "neg"

@@ -32,7 +32,7 @@ from torch import fx
 import ampgraph
 from passes.fx import run_amp_passes, verify
 from passes.fx.dtypes import dtype_of, is_amp_cast
-from passes.fx.graph import FLOATS, op_key
+from passes.fx.nodes import FLOATS, op_key
 from passes.policy import ALLOW, DENY, FP32, LOW, NA, LevelPolicy, fixed_slots, make_policy
 from tests.reliability.strategies import FuzzNet, Program, example_inputs
 

@@ -11,7 +11,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from passes import PassError
 from passes._infra import ConstantRangeWarning
-from passes.fx.cast_factory import _cast_name, _Caster
+from passes.fx.cast_factory import Caster, _cast_name
 from passes.fx.dtypes import CAST, dtype_of, is_amp_cast
 
 
@@ -43,7 +43,7 @@ def graph(saturate: float | None = None):
 
 def test_one_cast_per_producer_and_dtype_tied_weights_once():
     gm, mode, (x, wa, wb, h) = graph()
-    caster = _Caster(gm, mode)
+    caster = Caster(gm, mode)
     c1 = caster.get(x, torch.bfloat16)
     assert caster.get(x, torch.bfloat16) is c1, "shared"
     assert caster.get(x, torch.float16) is not c1, "one per dtype"
@@ -57,7 +57,7 @@ def test_one_cast_per_producer_and_dtype_tied_weights_once():
 
 def test_casts_of_inputs_and_parameters_are_hoisted_and_named_as_create_node_names_them():
     gm, mode, (x, wa, wb, h) = graph()
-    caster = _Caster(gm, mode)
+    caster = Caster(gm, mode)
     cast = caster.get(wa, torch.bfloat16)
     order = list(gm.graph.nodes)
     assert order.index(cast) < order.index(h), "before the first op"
@@ -69,7 +69,7 @@ def test_casts_of_inputs_and_parameters_are_hoisted_and_named_as_create_node_nam
 
 def test_a_cast_back_through_a_widening_cast_is_its_source():
     gm, mode, (x, wa, wb, h) = graph()
-    caster = _Caster(gm, mode)
+    caster = Caster(gm, mode)
     low = caster.get(x, torch.bfloat16)
     wide = caster.get(low, torch.float32)
     assert caster.get(wide, torch.bfloat16) is low, "low -> fp32 -> low is the low value"
@@ -78,7 +78,7 @@ def test_a_cast_back_through_a_widening_cast_is_its_source():
 
 def test_mask_fills_beyond_the_range_are_clamped_before_the_cast():
     gm, mode, (x, wa, wb, h) = graph(saturate=-1e9)
-    caster = _Caster(gm, mode)
+    caster = Caster(gm, mode)
     with pytest.warns(ConstantRangeWarning, match="clamped to -65504"):
         cast = caster.get(h, torch.float16)
     clamp = cast.args[0]
@@ -98,17 +98,17 @@ def test_a_graph_without_inputs_or_parameters_is_refused():
     g = fx.Graph()
     g.output(g.call_function(torch.ops.aten.zeros.default, ([2],)))
     with pytest.raises(PassError, match="no inputs or parameters") as info:
-        _Caster(fx.GraphModule(nn.Module(), g), None)
+        Caster(fx.GraphModule(nn.Module(), g), None)
     assert info.value.pass_name == "insert_casts"
 
 
 def test_without_the_fast_path_the_casts_are_the_same():
     gm, mode, (x, *_) = graph()
-    caster = _Caster(gm, mode)
+    caster = Caster(gm, mode)
     caster.fast = False
     slow = caster.get(x, torch.bfloat16)
     gm2, mode2, (x2, *_) = graph()
-    fast = _Caster(gm2, mode2).get(x2, torch.bfloat16)
+    fast = Caster(gm2, mode2).get(x2, torch.bfloat16)
     assert (slow.name, slow.args, slow.kwargs) == (fast.name, (x,), {"dtype": torch.bfloat16})
     assert str(gm.graph) == str(gm2.graph)
     with warnings.catch_warnings():

@@ -10,14 +10,14 @@ from torch import fx
 
 from passes.fx.dtypes import (
     CAST,
-    _float_dtypes,
-    _orig_dtype,
-    _set_dtype,
-    _widening,
     dtype_of,
+    float_dtypes,
     is_amp_cast,
+    is_widening,
+    orig_dtype,
+    set_dtype,
 )
-from passes.fx.graph import FLOATS, tensors
+from passes.fx.nodes import FLOATS, tensors
 from tests.helpers import make
 from tests.passes.fx.helpers import check_pass
 
@@ -38,13 +38,13 @@ def test_dtype_of_reads_the_tracked_dtype_before_the_captured_value():
     assert dtype_of(node_with(3)) is None and dtype_of(node_with(None)) is None
     assert dtype_of(torch.float32) is None and dtype_of(None) is None, "not a node"
     node = node_with(f32)
-    _set_dtype(node, None)
+    set_dtype(node, None)
     assert "amp_dtype" not in node.meta
-    _set_dtype(node, torch.float16)
+    set_dtype(node, torch.float16)
     assert dtype_of(node) == torch.float16
-    assert _orig_dtype(node) == torch.float16, "no captured dtype recorded: the current one"
+    assert orig_dtype(node) == torch.float16, "no captured dtype recorded: the current one"
     node.meta["amp_orig_dtype"] = torch.float32
-    assert _orig_dtype(node) == torch.float32
+    assert orig_dtype(node) == torch.float32
 
 
 def test_is_amp_cast_only_for_marked_nodes():
@@ -59,17 +59,17 @@ def test_is_amp_cast_only_for_marked_nodes():
 
 def test_float_dtypes_of_meta_values_are_shared_sets():
     f16, i64 = torch.empty(1, dtype=torch.float16), torch.empty(1, dtype=torch.int64)
-    assert _float_dtypes(f16) == {torch.float16}
-    assert _float_dtypes(f16) is _float_dtypes(torch.empty(3, dtype=torch.float16))
-    assert _float_dtypes(i64) == frozenset()
-    assert _float_dtypes((f16, [i64, torch.empty(1)])) == {torch.float16, torch.float32}
-    assert _float_dtypes(None) == frozenset()
+    assert float_dtypes(f16) == {torch.float16}
+    assert float_dtypes(f16) is float_dtypes(torch.empty(3, dtype=torch.float16))
+    assert float_dtypes(i64) == frozenset()
+    assert float_dtypes((f16, [i64, torch.empty(1)])) == {torch.float16, torch.float32}
+    assert float_dtypes(None) == frozenset()
 
 
 def test_widening_is_low_to_fp32_only():
-    assert _widening(torch.bfloat16, torch.float32) and _widening(torch.float16, torch.float32)
-    assert not _widening(torch.float32, torch.float32)
-    assert not _widening(torch.float16, torch.bfloat16) and not _widening(torch.float16, None)
+    assert is_widening(torch.bfloat16, torch.float32) and is_widening(torch.float16, torch.float32)
+    assert not is_widening(torch.float32, torch.float32)
+    assert not is_widening(torch.float16, torch.bfloat16) and not is_widening(torch.float16, None)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -87,7 +87,7 @@ def test_tracked_dtypes_after_the_pipeline(level, dtype):
             assert dtype_of(node) == node.kwargs["dtype"], node
         elif node.op == "output":
             for out in node.all_input_nodes:
-                assert dtype_of(out) == _orig_dtype(out) == torch.float32, out
+                assert dtype_of(out) == orig_dtype(out) == torch.float32, out
         elif any(t.is_floating_point() for t in tensors(node.meta.get("val"))) \
                 and dtype_of(node) is not None:
             assert dtype_of(node) in FLOATS, node

@@ -10,8 +10,9 @@ import torch
 from torch import nn
 
 import ampgraph
-from passes.fx.graph import build_dataflow, prepare
+from passes.fx.dataflow import build_dataflow
 from passes.fx.hazards import mark_range_hazards
+from passes.fx.prepare import prepare
 from tests.passes.fx.helpers import blocks
 
 

@@ -72,7 +72,8 @@ def test_the_pipeline_is_a_list_of_named_passes():
             weight_cast=fn, linear=fn, embedding=fn, attention=fn, unrepeated_kv_heads=True))
     assert [p.__name__ for p in everything] == EXPECTED_PASSES
     plain = pipeline.amp_passes(make_policy("O0"), torch.bfloat16, pipeline.PipelineState(),
-                                fuse_norms=False, runtime=RuntimeOps())
+                                fuse_norm_casts=False, channels_last_inputs=False,
+                                sink_gather_casts=False, runtime=RuntimeOps())
     assert [p.__name__ for p in plain] == [
         "prepare", "skip_whole_slices", "merge_duplicate_ops", "build_dataflow", "paint",
         "annotate",
@@ -124,3 +125,22 @@ def test_pass_errors_of_the_passes_pass_through_the_pipeline(monkeypatch):
                        torch.bfloat16)
     assert (info.value.pass_name, info.value.node) == ("verify", "mul")
     assert info.value.__cause__ is None
+
+
+def test_a_failure_inside_a_real_pass_names_the_node_its_visiting_loop_is_at(monkeypatch):
+    """The passes walk their nodes through ``passes._infra.visiting``: a helper that fails
+    (here fold_casts' dtype lookup, with a ``node`` local of its own naming another node)
+    is reported at the cast fold_casts was at: the first one."""
+    import passes.fx.fold.casts as casts
+
+    def dtype_of(value):
+        node = value.graph.output_node()  # noqa: F841 - a misleading local called node
+        raise KeyError("no dtype")
+
+    monkeypatch.setattr(casts, "dtype_of", dtype_of)
+    gm = export(TwoConsumers(), (torch.randn(2, 4),))
+    with pytest.raises(PassError) as info:
+        run_amp_passes(gm, make_policy("O2"), torch.bfloat16)
+    first_cast = next(n.name for n in gm.graph.nodes if n.meta.get("amp_cast"))
+    assert (info.value.pass_name, info.value.node) == ("fold_casts", first_cast)
+    assert str(info.value).endswith("KeyError: 'no dtype'")

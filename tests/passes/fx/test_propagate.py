@@ -6,9 +6,11 @@ import pytest
 import torch
 
 import passes.fx.propagate as casts  # (the module was passes.fx.casts)
+from passes.fx.dataflow import build_dataflow
 from passes.fx.dtypes import dtype_of
-from passes.fx.graph import build_dataflow, op_key, prepare
 from passes.fx.insert_casts import annotate, insert_casts
+from passes.fx.nodes import op_key
+from passes.fx.prepare import prepare
 from passes.paint import paint
 from passes.policy import make_policy
 from tests.helpers import make
@@ -18,9 +20,10 @@ from tests.passes.fx.helpers import blocks, dtype_blocks, export, meta_of, one_d
 @pytest.mark.parametrize("level", ["O1", "O2", "O3"])
 @pytest.mark.parametrize("name", ["resnet", "unet", "bert_encoder", "gpt_decoder"])
 def test_fast_dtype_tracking_agrees_with_fake_tensor_execution(name, level):
+    from passes.fx.dataflow import build_dataflow
     from passes.fx.dtypes import dtype_of
-    from passes.fx.graph import build_dataflow, prepare
     from passes.fx.insert_casts import annotate, insert_casts
+    from passes.fx.prepare import prepare
     from passes.paint import paint
 
     model, inputs = make(name)
@@ -55,7 +58,7 @@ def test_remembered_runs_agree_with_running_every_op(level, low, build):
     assert sum(isinstance(v[1], tuple) for v in seen[0].values()) == 6
 
 
-_REAL_RUN = casts._DtypeTracker._run
+_REAL_RUN = casts.DtypeTracker._run
 
 
 def count_runs(monkeypatch, gm, level="O2"):
@@ -66,7 +69,7 @@ def count_runs(monkeypatch, gm, level="O2"):
         runs.append(op_key(node))
         return real(self, node)
 
-    monkeypatch.setattr(casts._DtypeTracker, "_run", run)
+    monkeypatch.setattr(casts.DtypeTracker, "_run", run)
     prepare(gm)
     annotate(gm, paint(build_dataflow(gm), make_policy(level)))
     insert_casts(gm, torch.bfloat16)

@@ -9,7 +9,7 @@ import torch
 from torch import fx
 
 from passes.fx.dtypes import CAST, dtype_of
-from passes.fx.rules import KEEP, _Rules, _slots, mutated_slots, required_dtype
+from passes.fx.rules import KEEP, Rules, input_slots, mutated_slots, required_dtype
 from passes.policy import FP32, LOW
 from tests.helpers import make
 from tests.passes.fx.helpers import check_pass
@@ -58,7 +58,7 @@ def test_in_place_ops_follow_the_written_operand_and_casts_keep_their_inputs():
     user_cast, (z,) = graph_of(CAST, 1, dtype=torch.float16)
     user_cast.meta["amp_precision"] = LOW
     assert required_dtype(user_cast, 0, z, low) == KEEP, "a user's explicit cast is kept"
-    assert _Rules(low).of(user_cast).keep_all
+    assert Rules(low).of(user_cast).keep_all
 
 
 def test_batch_norm_statistics_keep_their_dtype():
@@ -83,13 +83,13 @@ def test_every_input_of_a_rewritten_graph_has_its_required_dtype(name, level):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         gm, _ = check_pass(model, inputs, level, torch.bfloat16)
-    rules = _Rules(torch.bfloat16)
+    rules = Rules(torch.bfloat16)
     checked = 0
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.meta.get("amp_cast"):
             continue
         rule = rules.of(node)
-        for slot, arg in _slots(node):
+        for slot, arg in input_slots(node):
             want = required_dtype(node, slot, arg, torch.bfloat16)
             assert want is KEEP or dtype_of(arg) == want, (node, slot, arg)
             assert rule.want(slot, arg) == want
