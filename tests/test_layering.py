@@ -2,8 +2,8 @@
 
 ``passes/`` never imports ``ampgraph``; inside ``ampgraph/`` each subpackage imports only the
 layers below it (the table :data:`MAY_IMPORT`); no module imports its own package's
-``__init__``; importing either package pulls in nothing heavy. Every import statement counts, including those inside functions (lazy imports are
-still dependencies).
+``__init__``; importing either package pulls in nothing heavy. Every import statement
+counts, including those inside functions (lazy imports are still dependencies).
 """
 
 from __future__ import annotations
