@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import ampgraph
-from tests.helpers import MATMUL_OPS, cosine, record
+from tests.helpers import MATMUL_OPS, Keyworded, cosine, record
 
 
 class Block(nn.Module):
@@ -66,51 +66,7 @@ def test_data_dependent_model_compiles_matches_fp32_and_explain_names_eager_part
     assert model.head.weight.grad is not None
 
 
-def test_explain_with_inputs_on_eager_model_keeps_buffers():
-    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
-
-    class Wrapper(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.inner = model
-
-        def forward(self, x):
-            return self.inner(x) if x.sum() > -1e9 else x
-
-    w = Wrapper().train()
-    net = ampgraph.compile(w, "O2", "bf16")
-    stats = model[1].running_mean.clone()
-    with pytest.warns(UserWarning):
-        report = ampgraph.explain(net, torch.randn(4, 4))
-    assert torch.equal(stats, model[1].running_mean), "explain must not update running stats"
-    assert report.eager and any(r["op"] == "aten.linear" for r in report.nodes)
-
-
-# -- what trainers see: forward's signature, autocast around the call ---------------------
-
-
-class Keyworded(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(8, 8)
-        self.norm = nn.LayerNorm(8)
-
-    def forward(self, input_ids: torch.Tensor, mask: torch.Tensor | None = None, *, scale=1.0):
-        return self.norm(self.fc(input_ids)) * scale
-
-
-def test_forward_keeps_the_models_signature():
-    import inspect
-
-    model = Keyworded()
-    net = ampgraph.compile(model, "O2", "bf16")
-    assert inspect.signature(net.forward) == inspect.signature(model.forward)
-    assert list(inspect.signature(net.forward).parameters) == ["input_ids", "mask", "scale"]
-    assert net.forward.__func__ is net.forward.__func__  # one function per instance
-    x = torch.randn(2, 8)
-    torch.testing.assert_close(net(input_ids=x, scale=2.0), net.forward(x, scale=2.0))
-    other = ampgraph.compile(nn.Linear(8, 2), "O2", "bf16")
-    assert list(inspect.signature(other.forward).parameters) == ["input"]
+# -- what trainers see: autocast around the call ------------------------------------------
 
 
 def test_autocast_outside_does_not_recast_the_graph():
