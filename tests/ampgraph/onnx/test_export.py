@@ -1,5 +1,6 @@
-"""export_onnx with keyword inputs (HF models), dynamic batch and sequence, and the
-TorchScript exporter as a fallback when the dynamo exporter fails."""
+"""ampgraph/onnx/export.py: export_onnx halves the file and keeps the batch dynamic; keyword
+inputs (HF models), dynamic batch and sequence, and the TorchScript exporter as a fallback
+when the dynamo exporter fails."""
 
 from __future__ import annotations
 
@@ -7,9 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from ampgraph.onnx import export_onnx, onnx_session
-
-transformers = pytest.importorskip("transformers")
+from ampgraph.onnx import export_onnx, max_ir_version, onnx_session
+from tests.ampgraph.onnx.helpers import load_model
 
 
 def cosine(a: np.ndarray, b: np.ndarray) -> float:
@@ -18,6 +18,7 @@ def cosine(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def bert():
+    transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     return transformers.BertForSequenceClassification(transformers.BertConfig(
         vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -25,9 +26,29 @@ def bert():
 
 
 def gpt2():
+    transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     return transformers.GPT2LMHeadModel(transformers.GPT2Config(
         vocab_size=100, n_embd=32, n_layer=2, n_head=4, n_positions=64, use_cache=False)).eval()
+
+
+@pytest.mark.slow
+def test_export_onnx_halves_the_file_and_keeps_the_batch_dynamic(tmp_path, fp32_export):
+    model, args = load_model("tabular_mlp")
+    fp32_file = tmp_path / "mlp32.onnx"
+    export_onnx(model, args, fp32_file, amp_level="O0")
+    out = export_onnx(model, args, tmp_path / "mlp16.onnx")
+    assert (tmp_path / "mlp16.onnx").stat().st_size < 0.6 * fp32_file.stat().st_size
+    assert out.ir_version <= max_ir_version()
+    assert out.graph.input[0].type.tensor_type.shape.dim[0].dim_param  # symbolic batch
+    sess = onnx_session(tmp_path / "mlp16.onnx")
+    x = torch.randn(5, args[0].shape[1])
+    got = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0]
+    with torch.no_grad():
+        want = model(x).numpy()
+    assert got.shape[0] == 5 and np.abs(got - want).max() <= 2e-2 * np.abs(want).max()
+    static = export_onnx(model, args, tmp_path / "static.onnx", dynamic_batch=False)
+    assert static.graph.input[0].type.tensor_type.shape.dim[0].dim_value == args[0].shape[0]
 
 
 def tokens(n: int, seq: int) -> dict[str, torch.Tensor]:
