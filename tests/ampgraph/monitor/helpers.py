@@ -68,3 +68,20 @@ def fake_loop(mon: NumericsMonitor, model: nn.Module, scales, overflows, grad=1e
 def seq() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def grads(underflow_rate: float = 0.0, overflow_count: int = 0, norm: float = 1.0,
+          numel: int = 1000, max_abs: float = 0.1) -> dict:
+    """One layer's merged gradient statistics, as a numerics.jsonl record holds them."""
+    return {"numel": numel, "norm": norm, "min_abs": 1e-8, "max_abs": max_abs, "mean": 0.0,
+            "std": 0.01, "zero_frac": 0.0, "underflow_rate": underflow_rate,
+            "overflow_count": overflow_count}
+
+
+def step_record(step: int, scale: float, layers: dict[str, dict], overflow: bool = False,
+                skipped: int = 0) -> dict:
+    """A logged step's record: its scale history (this step only) and per-layer grads."""
+    return {"kind": "step", "step": step, "loss_scale": scale, "overflow": overflow,
+            "skipped_steps": skipped,
+            "history": {"step": [step], "loss_scale": [scale], "overflow": [overflow]},
+            "layers": {name: {"grads": stats} for name, stats in layers.items()}}

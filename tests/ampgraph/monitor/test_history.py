@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from ampgraph.monitor import NumericsMonitor, NumericsWarning
-from tests.ampgraph.monitor.helpers import fake_loop, seq
+from ampgraph.monitor.history import History, diagnose
+from tests.ampgraph.monitor.helpers import fake_loop, grads, seq, step_record
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:fp16 on a CPU:RuntimeWarning"),
@@ -86,3 +87,81 @@ def test_fp16_adam_state_below_min_normal_suggests_a_larger_eps():
             mon.step()
             opt.step()
     assert "optimizer.exp_avg_sq" in mon.summary()["<root>"]
+
+
+# -- History and diagnose on hand-made records -----------------------------------------------
+
+
+def test_history_fills_series_scales_and_summary_from_records():
+    history = History()
+    assert history.dtype == "fp16" and history.skipped_steps == 0  # before a start record
+    history.add({"kind": "start", "version": 1, "dtype": "bf16", "every": 2, "track": ["grads"]})
+    history.add(step_record(0, 1024.0, {"fc": grads(0.1, 0, 2.0)}))
+    history.add({"kind": "scale", "history": {"step": [1], "loss_scale": [512.0],
+                                              "overflow": [True]}})
+    history.add(step_record(2, 512.0, {"fc": grads(0.05, 3, 1.5)}))
+    assert history.dtype == "bf16" and history.meta["every"] == 2
+    assert history.steps == [0, 2] and history.logged_scales == [1024.0, 512.0]
+    assert history.scale_steps == [0, 1, 2] and history.scales == [1024.0, 512.0, 512.0]
+    assert history.overflows == [False, True, False] and history.skipped_steps == 1
+    assert history.series["grads"]["fc"]["step"] == [0, 2]
+    assert history.series["grads"]["fc"]["underflow_rate"] == [0.1, 0.05]
+    row = history.summary()["fc"]
+    assert row["underflow_rate"] == 0.05 and row["underflow_rate_max"] == 0.1
+    assert row["overflow_count"] == 3 and row["grad_norm"] == 1.5 and row["logged_steps"] == 2
+
+
+def test_other_kinds_summarise_as_their_own_dict():
+    history = History()
+    record = step_record(0, 1.0, {})
+    record["layers"] = {"fc": {"weights": grads(0.2, 1), "grads": grads(0.0)}}
+    history.add(record)
+    row = history.summary()["fc"]
+    assert row["weights"]["underflow_rate"] == 0.2 and row["weights"]["overflow_total"] == 1
+    assert row["weights"]["underflow_rate_max"] == 0.2 and row["underflow_rate"] == 0.0
+
+
+def test_diagnose_nothing_on_an_empty_or_healthy_history():
+    assert diagnose(History()) == []
+    history = History()
+    for i in range(6):
+        history.add(step_record(i, 2.0**16, {"fc": grads(0.001)}))
+    assert diagnose(history) == []
+
+
+def test_a_rising_underflow_rate_is_diagnosed_with_its_layer():
+    history = History()
+    for i, rate in enumerate([0.01, 0.05, 0.2, 0.4]):
+        history.add(step_record(i, 1024.0, {"fc": grads(rate, numel=10**6), "ok": grads(0.0)}))
+    (found,) = diagnose(history)
+    assert found.key == "underflow_rising" and found.layers == ("fc",)
+    assert "fc (1.0% -> 40.0%)" in found.message and "module_overrides={'fc': 'fp32'}" in \
+        found.message
+
+
+def test_a_rise_within_sampling_noise_is_not_diagnosed():
+    history = History()
+    for i, rate in enumerate([0.01, 0.02, 0.03]):  # 100 values: three sigmas are ~5 points
+        history.add(step_record(i, 1024.0, {"bias": grads(rate, numel=100)}))
+    assert diagnose(history) == []
+
+
+def test_an_overflowing_layer_in_three_logged_steps_is_named():
+    history = History()
+    for i in range(3):
+        history.add(step_record(i, 2.0**16, {"a": grads(0.0, 2), "b": grads(0.0, 1 if i else 0)},
+                                overflow=True))
+    (found,) = diagnose(history)
+    assert found.key == "repeated_overflow" and found.layers == ("a",)
+    assert "a (3 logged steps, 6 values)" in found.message
+
+
+def test_a_collapsed_scale_in_bf16_suggests_a_generic_floor():
+    history = History()
+    history.add({"kind": "start", "dtype": "bf16"})
+    for i, scale in enumerate([1024.0, 64.0, 32.0, 16.0]):
+        history.add(step_record(i, scale, {"fc": grads(0.0)}))
+    (found,) = diagnose(history)
+    assert found.key == "loss_scale_low" and found.layers == ()
+    assert "collapsed to 16 (peak 1024)" in found.message
+    assert "DynamicLossScaleManager(min_loss_scale=1024)" in found.message
