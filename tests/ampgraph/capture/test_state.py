@@ -80,3 +80,38 @@ def test_preserved_global_state_restores_rng():
     torch.manual_seed(3)
     random.seed(3)
     assert torch.equal(a[0], torch.rand(2)) and a[1] == random.random()
+
+
+def test_rng_is_left_alone_when_not_asked_for():
+    torch.manual_seed(3)
+    with preserved_global_state(rng=False):
+        torch.rand(5)
+    after = torch.rand(2)
+    torch.manual_seed(3)
+    torch.rand(5)
+    assert torch.equal(after, torch.rand(2))
+
+
+def test_a_function_mode_left_on_the_stack_is_popped():
+    from torch.overrides import TorchFunctionMode
+
+    function_modes = torch._C._len_torch_function_stack()
+    with preserved_global_state():
+        TorchFunctionMode().__enter__()  # entered, never exited
+    assert torch._C._len_torch_function_stack() == function_modes
+
+
+@pytest.mark.xfail(strict=True, raises=TypeError, reason=(
+    "known bug: torch 2.13's _pop_torch_dispatch_stack takes the mode key (None for a "
+    "Python mode); preserved_global_state calls it without one and raises TypeError"))
+def test_a_dispatch_mode_left_on_the_stack_is_popped():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    dispatch_modes = torch._C._len_torch_dispatch_stack()
+    try:
+        with preserved_global_state():
+            TorchDispatchMode().__enter__()  # entered, never exited
+    finally:
+        while torch._C._len_torch_dispatch_stack() > dispatch_modes:  # leave none behind
+            torch._C._pop_torch_dispatch_stack(None)
+    assert torch._C._len_torch_dispatch_stack() == dispatch_modes
