@@ -120,3 +120,44 @@ def test_bf16_conversion_of_a_reference_export(fp32_export):
     gemms = [n for n in model.graph.node if n.op_type in LOW_OPS]
     assert gemms and all(types[n.input[0]] == TensorProto.BFLOAT16 for n in gemms)
     assert types[model.graph.output[0].name] == F32
+
+
+def test_converting_again_is_a_no_op_at_the_same_settings_and_refused_at_others():
+    once = convert_onnx(small_model(), "o2", node_block_list=SAFE)  # the level in any case
+    stamp = {p.key: p.value for p in once.metadata_props}
+    assert stamp["ampgraph.amp_level"] == "O2" and stamp["ampgraph.dtype"] == "fp16"
+    assert convert_onnx(once, "O2") is once
+    with pytest.raises(ValueError, match="already converted by ampgraph at O2 fp16"):
+        convert_onnx(once, "O3")
+
+
+def test_block_lists_and_io_types():
+    fp32 = small_model()
+    blocked = value_types(convert_onnx(fp32, "O2", op_block_list=["MatMul"],
+                                       node_block_list=SAFE))
+    node = {n.name: n for n in fp32.graph.node}
+    assert blocked[node["mm1"].input[0]] == F32
+    low_io = convert_onnx(fp32, "O3", keep_io_types=False, node_block_list=SAFE)
+    assert low_io.graph.input[0].type.tensor_type.elem_type == F16
+    assert low_io.graph.output[0].type.tensor_type.elem_type == F16
+
+
+@pytest.mark.parametrize("opset, dtype, match", [(5, "fp16", "opset 5 is too old"),
+                                                 (12, "bf16", "bf16 needs opset >= 13")])
+def test_old_opsets_are_refused_with_the_upgrade_named(opset, dtype, match):
+    model = small_model()
+    model.opset_import[0].version = opset
+    with pytest.raises(ValueError, match=rf"{match}.*convert_version\(model, 17\)"):
+        convert_onnx(model, "O2", dtype)
+    assert convert_onnx(model, "O0", dtype).graph.node  # O0 converts nothing: any opset
+
+
+def test_a_model_without_float_tensors_is_returned_unchanged_with_a_warning():
+    graph = helper.make_graph([helper.make_node("Add", ["a", "b"], ["c"], name="add")], "ints",
+                              [helper.make_tensor_value_info(n, TensorProto.INT64, [2])
+                               for n in ("a", "b")],
+                              [helper.make_tensor_value_info("c", TensorProto.INT64, [2])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    with pytest.warns(UserWarning, match="no float tensors to convert"):
+        out = convert_onnx(model, "O2")
+    assert [n.op_type for n in out.graph.node] == ["Add"]

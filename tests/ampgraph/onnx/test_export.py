@@ -105,3 +105,20 @@ def test_both_exporters_failing_names_both_causes(tmp_path, monkeypatch):
             r"exporter \(RuntimeError: torchscript\)")):
         export_onnx(bert(), (), tmp_path / "m.onnx", kwargs=tokens(2, 8))
     assert not (tmp_path / "m.onnx").exists()
+
+
+@pytest.mark.slow  # torch.onnx's dynamo exporter: seconds even for one Linear
+def test_a_module_in_training_mode_is_exported_in_eval_mode_and_left_as_it_was(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.Dropout(0.5)).train()
+    x = torch.randn(3, 6)
+    proto = export_onnx(model, x, tmp_path / "m.onnx")  # one tensor: the args tuple is made
+    assert model.training and (tmp_path / "m.onnx").exists()
+    assert "Dropout" not in [n.op_type for n in proto.graph.node]  # exported in eval mode
+    stamp = {p.key: p.value for p in proto.metadata_props}
+    assert stamp["ampgraph.amp_level"] == "O2"
+    sess = onnx_session(tmp_path / "m.onnx", device="cpu")
+    (got,) = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})
+    with torch.no_grad():
+        want = model.eval()(x).numpy()
+    assert got.dtype == np.float32 and np.abs(got - want).max() <= 2e-2 * np.abs(want).max()
