@@ -105,6 +105,25 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(torch.nn.functional.cosine_similarity(a, b, dim=0))
 
 
+class Keyworded(torch.nn.Module):
+    """A forward with keyword and keyword-only parameters (what trainers pass)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+        self.norm = torch.nn.LayerNorm(8)
+
+    def forward(self, input_ids: torch.Tensor, mask: torch.Tensor | None = None, *, scale=1.0):
+        return self.norm(self.fc(input_ids)) * scale
+
+
+def global_state() -> tuple:
+    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
+            torch.get_default_dtype(), torch.is_autocast_enabled("cpu"),
+            torch.get_autocast_dtype("cpu"), torch.is_autocast_enabled("cuda"),
+            torch.get_autocast_dtype("cuda"), torch.is_autocast_cache_enabled())
+
+
 def call(model, inputs):
     return model(*inputs) if isinstance(inputs, tuple) else model(inputs)
 

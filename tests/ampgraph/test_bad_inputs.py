@@ -62,13 +62,6 @@ def test_bad_override_values():
         ampgraph.compile(nn.Linear(2, 2), custom_deny=[int])
 
 
-def test_explain_needs_a_compiled_module_and_inputs():
-    with pytest.raises(TypeError, match="ampgraph.compile"):
-        ampgraph.explain(nn.Linear(2, 2))
-    with pytest.raises(ValueError, match="example inputs"):
-        ampgraph.explain(ampgraph.compile(nn.Linear(2, 2)))
-
-
 def test_model_on_meta_device():
     with torch.device("meta"):
         model = nn.Linear(4, 4)

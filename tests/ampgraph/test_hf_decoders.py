@@ -4,14 +4,13 @@ generate() work through the compiled graph."""
 
 from __future__ import annotations
 
-import random
 import warnings
 
 import pytest
 import torch
 
 import ampgraph
-from ampgraph.capture import preserved_global_state
+from tests.helpers import global_state
 
 transformers = pytest.importorskip("transformers")
 
@@ -32,13 +31,6 @@ def tokens(batch: int = 2, seq: int = 8, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
 
 
-def global_state() -> tuple:
-    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
-            torch.get_default_dtype(), torch.is_autocast_enabled("cpu"),
-            torch.get_autocast_dtype("cpu"), torch.is_autocast_enabled("cuda"),
-            torch.get_autocast_dtype("cuda"), torch.is_autocast_cache_enabled())
-
-
 # ---------------------------------------------------------------------------- global state
 
 
@@ -57,76 +49,6 @@ def test_train_call_of_compiled_llama_keeps_grad_mode_and_backward_fills_grads()
     assert all(torch.isfinite(g).all() for g in grads)
 
 
-def test_failing_export_restores_every_piece_of_global_state(monkeypatch):
-    """An export that leaves grad off, autocast on, inference mode entered, the default
-    dtype changed, RNG consumed and a mode on the stack, then raises, changes nothing."""
-    real_export = torch.export.export
-
-    def leaky_export(*args, **kwargs):
-        # entered, never exited (made first: its late destructor puts back a clean state)
-        leaky_export.guard = torch._C._InferenceMode(True)
-        torch.set_grad_enabled(False)
-        torch.set_autocast_enabled("cpu", True)
-        torch.set_autocast_dtype("cpu", torch.float16)
-        torch.set_autocast_cache_enabled(False)
-        torch.autocast_increment_nesting()
-        torch.set_default_dtype(torch.float64)
-        torch.rand(3)
-        random.random()
-        raise RuntimeError("export failed on purpose")
-
-    monkeypatch.setattr(torch.export, "export", leaky_export)
-    net = ampgraph.compile(torch.nn.Sequential(torch.nn.Linear(4, 4)), dtype="bf16")
-    before = global_state()
-    torch.manual_seed(5)
-    random.seed(5)
-    x = torch.randn(2, 4)
-    expected = torch.rand(2), random.random()
-    torch.manual_seed(5)
-    random.seed(5)
-    x = torch.randn(2, 4)
-    with pytest.warns(UserWarning, match="export failed on purpose"):
-        net(x)  # capture fails, the Linear child's too; it runs eagerly
-    monkeypatch.setattr(torch.export, "export", real_export)
-    assert global_state() == before
-    nesting = torch.autocast_increment_nesting()
-    torch.autocast_decrement_nesting()
-    assert nesting == 1
-    # the capture attempts consumed no random numbers (the eager forward draws none)
-    assert torch.equal(torch.rand(2), expected[0]) and random.random() == expected[1]
-    del leaky_export.guard
-    assert global_state() == before
-
-
-@pytest.mark.parametrize("context", ["no_grad", "inference_mode", "autocast"])
-def test_preserved_global_state_is_transparent_inside_user_contexts(context):
-    ctx = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode,
-           "autocast": lambda: torch.autocast("cpu", dtype=torch.bfloat16)}[context]
-    with ctx():
-        before = global_state()
-        with preserved_global_state():
-            assert global_state() == before  # the body sees the caller's state
-            torch.set_grad_enabled(not torch.is_grad_enabled())
-            torch.set_default_dtype(torch.float64)
-        assert global_state() == before
-    with pytest.raises(ValueError), preserved_global_state():
-        torch.set_grad_enabled(False)
-        raise ValueError
-    assert torch.is_grad_enabled()
-
-
-def test_preserved_global_state_restores_rng():
-    torch.manual_seed(3)
-    random.seed(3)
-    with preserved_global_state():
-        torch.rand(5)
-        random.random()
-    a = torch.rand(2), random.random()
-    torch.manual_seed(3)
-    random.seed(3)
-    assert torch.equal(a[0], torch.rand(2)) and a[1] == random.random()
-
-
 def test_compile_under_no_grad_keeps_no_grad():
     net = ampgraph.compile(tiny_llama().eval(), dtype="bf16")
     with torch.no_grad(), warnings.catch_warnings():
@@ -134,7 +56,6 @@ def test_compile_under_no_grad_keeps_no_grad():
         net(input_ids=tokens())
         assert not torch.is_grad_enabled()
     assert torch.is_grad_enabled()
-
 
 
 # ---------------------------------------------------------------------------- caches
@@ -191,19 +112,6 @@ def test_encoder_decoder_cache_round_trips():
     assert step.past_key_values is cache and cache.get_seq_length() == 5
     assert all(cache.is_updated.values())  # cross-attention computed once, then reused
     assert eager_parts(net) == []
-
-
-def test_cache_registration_is_idempotent_and_leaves_existing_registrations():
-    from torch.utils import _pytree as pytree
-    from transformers.integrations.executorch import register_dynamic_cache_export_support
-
-    from ampgraph.capture import register_hf_caches
-
-    register_hf_caches()
-    register_hf_caches()
-    register_dynamic_cache_export_support()  # the user's own call after ours still works
-    assert transformers.DynamicCache in pytree.SUPPORTED_NODES
-    assert transformers.EncoderDecoderCache in pytree.SUPPORTED_NODES
 
 
 # ---------------------------------------------------------------------------- training

@@ -1,5 +1,4 @@
-"""ampgraph/module.py: AmpModule's state, what trainers see (forward's signature, autocast
-around the call), graphs per input shapes, refused shapes and graph transforms."""
+"""Models that cannot be exported whole fall back per submodule, and say so."""
 
 from __future__ import annotations
 
@@ -8,66 +7,9 @@ import torch
 from torch import nn
 
 import ampgraph
-from tests.helpers import MATMUL_OPS, record
+from tests.helpers import MATMUL_OPS, Keyworded, record
 
-
-def test_the_state_is_declared_and_the_model_and_eager_plan_are_not_children():
-    """Every field the class declares is set by __init__; the user's model and the eager
-    plan are modules kept beside the shared dicts, never registered in them."""
-    from ampgraph.module import AmpModule
-
-    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
-    keys = list(model.state_dict())
-    net = ampgraph.compile(model, "O2", "bf16")
-    declared = set(AmpModule.__annotations__) - {"_amp_training"}
-    assert declared <= set(vars(net)), declared - set(vars(net))
-    assert net.original_module is model and net._amp_eager is None
-    assert list(net._modules) == ["0", "1"] and net._modules is model._modules
-    assert list(net.state_dict()) == list(model.state_dict()) == keys
-
-    class Branchy(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.inner = nn.Linear(4, 4)
-
-        def forward(self, x):
-            return self.inner(x) if x.sum() > 0 else -self.inner(x)
-
-    branchy = Branchy()
-    net = ampgraph.compile(branchy, "O2", "bf16")
-    with pytest.warns(UserWarning, match="could not be captured whole"):
-        net(torch.ones(2, 4))
-    assert net._amp_eager is not None and net._amp_eager.inner is not branchy.inner
-    assert list(branchy._modules) == ["inner"] and list(net.state_dict()) == [
-        "inner.weight", "inner.bias"]
-    assert [m for m in net.modules() if m is net._amp_eager] == []
-
-
-# -- what trainers see: forward's signature, autocast around the call ---------------------
-
-
-class Keyworded(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(8, 8)
-        self.norm = nn.LayerNorm(8)
-
-    def forward(self, input_ids: torch.Tensor, mask: torch.Tensor | None = None, *, scale=1.0):
-        return self.norm(self.fc(input_ids)) * scale
-
-
-def test_forward_keeps_the_models_signature():
-    import inspect
-
-    model = Keyworded()
-    net = ampgraph.compile(model, "O2", "bf16")
-    assert inspect.signature(net.forward) == inspect.signature(model.forward)
-    assert list(inspect.signature(net.forward).parameters) == ["input_ids", "mask", "scale"]
-    assert net.forward.__func__ is net.forward.__func__  # one function per instance
-    x = torch.randn(2, 8)
-    torch.testing.assert_close(net(input_ids=x, scale=2.0), net.forward(x, scale=2.0))
-    other = ampgraph.compile(nn.Linear(8, 2), "O2", "bf16")
-    assert list(inspect.signature(other.forward).parameters) == ["input"]
+# -- what trainers see: autocast around the call ------------------------------------------
 
 
 def test_autocast_outside_does_not_recast_the_graph():
@@ -92,43 +34,6 @@ def test_autocast_outside_does_not_recast_the_graph():
     with torch.autocast("cpu", dtype=torch.float16):
         fresh(x)
     assert "torch.float16" not in fresh.amp_parts()[0][0][1].gm.code
-
-
-class EvenOdd(nn.Module):
-    """A branch on the batch size's parity: export guards the graph with ``% 2 == 0``."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(6, 6)
-
-    def forward(self, x):
-        y = self.fc(x)
-        return y * 2 if x.shape[0] % 2 == 0 else y * 3
-
-
-def test_inputs_failing_export_s_guards_get_a_graph_of_their_own():
-    """Export's guards run outside the graph, once per new input shapes: an input that fails
-    one (here an odd batch after even ones; it raised "Guard failed" when the guards ran in
-    the graph) is captured again, as one outside the dimension ranges is."""
-    torch.manual_seed(0)
-    model = EvenOdd()
-    net = ampgraph.compile(model, amp_level="O2")
-    with torch.no_grad():
-        for n in (6, 8, 3, 5, 6):
-            x = torch.randn(n, 6)
-            torch.testing.assert_close(net(x), model(x), rtol=2e-2, atol=2e-2)
-    (graphs,) = net._amp_graphs.values()
-    assert len(graphs) == 2
-    for compiled in graphs:
-        assert not any(n.op == "call_module" for n in compiled.captured.gm.graph.nodes)
-    calls = []
-    even = next(c.captured for c in graphs if c.captured.accepts_leaves([torch.randn(4, 6)]))
-    guards = even.guards
-    even.guards = lambda *leaves: calls.append(len(leaves)) or guards(*leaves)
-    for _ in range(3):
-        assert even.accepts_leaves([torch.randn(10, 6)])
-    assert not even.accepts_leaves([torch.randn(7, 6)])
-    assert calls == [1, 1], "once per new shape"
 
 
 def test_the_graph_reads_submodules_as_plain_attributes_and_setattr_still_wins():
@@ -215,3 +120,35 @@ def test_a_cast_read_after_an_in_place_write_sees_the_written_value():
     assert h.min() >= 0
     torch.testing.assert_close(h, rh, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(y, ry, rtol=2e-2, atol=2e-2)
+
+
+def test_the_state_is_declared_and_the_model_and_eager_plan_are_not_children():
+    """Every field the class declares is set by __init__; the user's model and the eager
+    plan are modules kept beside the shared dicts, never registered in them."""
+    from ampgraph.module import AmpModule
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    keys = list(model.state_dict())
+    net = ampgraph.compile(model, "O2", "bf16")
+    declared = set(AmpModule.__annotations__) - {"_amp_training"}
+    assert declared <= set(vars(net)), declared - set(vars(net))
+    assert net.original_module is model and net._amp_eager is None
+    assert list(net._modules) == ["0", "1"] and net._modules is model._modules
+    assert list(net.state_dict()) == list(model.state_dict()) == keys
+
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.inner(x) if x.sum() > 0 else -self.inner(x)
+
+    branchy = Branchy()
+    net = ampgraph.compile(branchy, "O2", "bf16")
+    with pytest.warns(UserWarning, match="could not be captured whole"):
+        net(torch.ones(2, 4))
+    assert net._amp_eager is not None and net._amp_eager.inner is not branchy.inner
+    assert list(branchy._modules) == ["inner"] and list(net.state_dict()) == [
+        "inner.weight", "inner.bias"]
+    assert [m for m in net.modules() if m is net._amp_eager] == []

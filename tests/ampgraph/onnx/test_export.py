@@ -1,5 +1,6 @@
-"""export_onnx with keyword inputs (HF models), dynamic batch and sequence, and the
-TorchScript exporter as a fallback when the dynamo exporter fails."""
+"""ampgraph/onnx/export.py: export_onnx halves the file and keeps the batch dynamic; keyword
+inputs (HF models), dynamic batch and sequence, and the TorchScript exporter as a fallback
+when the dynamo exporter fails."""
 
 from __future__ import annotations
 
@@ -7,9 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from ampgraph.onnx import export_onnx, onnx_session
-
-transformers = pytest.importorskip("transformers")
+from ampgraph.onnx import export_onnx, max_ir_version, onnx_session
+from tests.ampgraph.onnx.helpers import load_model
 
 
 def cosine(a: np.ndarray, b: np.ndarray) -> float:
@@ -18,6 +18,7 @@ def cosine(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def bert():
+    transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     return transformers.BertForSequenceClassification(transformers.BertConfig(
         vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -25,9 +26,29 @@ def bert():
 
 
 def gpt2():
+    transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     return transformers.GPT2LMHeadModel(transformers.GPT2Config(
         vocab_size=100, n_embd=32, n_layer=2, n_head=4, n_positions=64, use_cache=False)).eval()
+
+
+@pytest.mark.slow
+def test_export_onnx_halves_the_file_and_keeps_the_batch_dynamic(tmp_path, fp32_export):
+    model, args = load_model("tabular_mlp")
+    fp32_file = tmp_path / "mlp32.onnx"
+    export_onnx(model, args, fp32_file, amp_level="O0")
+    out = export_onnx(model, args, tmp_path / "mlp16.onnx")
+    assert (tmp_path / "mlp16.onnx").stat().st_size < 0.6 * fp32_file.stat().st_size
+    assert out.ir_version <= max_ir_version()
+    assert out.graph.input[0].type.tensor_type.shape.dim[0].dim_param  # symbolic batch
+    sess = onnx_session(tmp_path / "mlp16.onnx")
+    x = torch.randn(5, args[0].shape[1])
+    got = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0]
+    with torch.no_grad():
+        want = model(x).numpy()
+    assert got.shape[0] == 5 and np.abs(got - want).max() <= 2e-2 * np.abs(want).max()
+    static = export_onnx(model, args, tmp_path / "static.onnx", dynamic_batch=False)
+    assert static.graph.input[0].type.tensor_type.shape.dim[0].dim_value == args[0].shape[0]
 
 
 def tokens(n: int, seq: int) -> dict[str, torch.Tensor]:
@@ -87,6 +108,7 @@ def test_both_exporters_failing_names_both_causes(tmp_path, monkeypatch):
 
 
 def t5():
+    transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     return transformers.T5ForConditionalGeneration(transformers.T5Config(
         vocab_size=100, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_decoder_layers=1,
@@ -144,3 +166,20 @@ def test_the_exported_model_is_run_once_on_its_example_inputs(tmp_path, monkeypa
         export_onnx(bert(), (), tmp_path / "m.onnx", kwargs=tokens(2, 8))
     export_onnx(bert(), (), tmp_path / "m.onnx", kwargs=tokens(2, 8), check=False)
     assert (tmp_path / "m.onnx").exists()
+
+
+@pytest.mark.slow  # torch.onnx's dynamo exporter: seconds even for one Linear
+def test_a_module_in_training_mode_is_exported_in_eval_mode_and_left_as_it_was(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.Dropout(0.5)).train()
+    x = torch.randn(3, 6)
+    proto = export_onnx(model, x, tmp_path / "m.onnx")  # one tensor: the args tuple is made
+    assert model.training and (tmp_path / "m.onnx").exists()
+    assert "Dropout" not in [n.op_type for n in proto.graph.node]  # exported in eval mode
+    stamp = {p.key: p.value for p in proto.metadata_props}
+    assert stamp["ampgraph.amp_level"] == "O2"
+    sess = onnx_session(tmp_path / "m.onnx", device="cpu")
+    (got,) = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})
+    with torch.no_grad():
+        want = model.eval()(x).numpy()
+    assert got.dtype == np.float32 and np.abs(got - want).max() <= 2e-2 * np.abs(want).max()

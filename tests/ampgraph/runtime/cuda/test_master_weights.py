@@ -8,31 +8,12 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 import ampgraph
 import ampgraph.runtime.cuda.runtime as cuda_runtime
 from ampgraph.runtime.cuda.master_weights import MasterCopies, WeightGroup
 from models import bert_encoder
-
-
-class MLP(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1, self.fc2, self.fc3 = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 4)
-        self.norm = nn.LayerNorm(32)
-
-    def forward(self, x):
-        h = F.gelu(self.fc1(x))
-        return self.fc3(self.norm(F.gelu(self.fc2(h))))
-
-
-def _pair(make=MLP):
-    torch.manual_seed(0)
-    model = make()
-    ref = copy.deepcopy(model)
-    return (model, ampgraph.compile(model, "O2", "bf16", runtime="cuda"),
-            ref, ampgraph.compile(ref, "O2", "bf16", runtime="cpu"))
+from tests.ampgraph.runtime.cuda.helpers import pair
 
 
 def _groups(net):
@@ -67,7 +48,7 @@ def test_parameter_casts_become_groups_and_gradients_match_the_cpu_runtime():
 
 
 def test_copies_refresh_only_after_an_update_and_eval_after_train_uses_them():
-    model, net, ref, cpu = _pair()
+    model, net, ref, cpu = pair()
     x = torch.randn(8, 16)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for _ in range(3):  # no update between them: cast once
@@ -89,7 +70,7 @@ def test_copies_refresh_only_after_an_update_and_eval_after_train_uses_them():
 
 
 def test_gradient_accumulation_over_4_micro_batches():
-    model, net, ref, cpu = _pair()
+    model, net, ref, cpu = pair()
     xs = torch.randn(4, 8, 16).unbind()
     for x in xs:
         net(x).square().mean().backward()
@@ -104,7 +85,7 @@ def test_gradient_accumulation_over_4_micro_batches():
     lambda ps: torch.optim.AdamW(ps, lr=1e-3),
 ], ids=["sgd", "adamw"])
 def test_user_owned_optimizers_train_as_the_cpu_runtime(make_opt):
-    model, net, ref, cpu = _pair()
+    model, net, ref, cpu = pair()
     opts = make_opt(list(model.parameters())), make_opt(list(ref.parameters()))
     g = torch.Generator().manual_seed(0)
     for _ in range(5):
@@ -119,7 +100,7 @@ def test_user_owned_optimizers_train_as_the_cpu_runtime(make_opt):
 
 
 def test_a_weight_changed_in_place_by_the_user_is_seen():
-    model, net, ref, cpu = _pair()
+    model, net, ref, cpu = pair()
     x = torch.randn(8, 16)
     net.eval()
     with torch.no_grad():
@@ -133,7 +114,7 @@ def test_a_weight_changed_in_place_by_the_user_is_seen():
 
 
 def test_two_forwards_before_one_backward_with_an_update_between():
-    model, net, ref, cpu = _pair()
+    model, net, ref, cpu = pair()
     x = torch.randn(8, 16)
     first = net(x).sum()
     with torch.no_grad():
@@ -153,7 +134,7 @@ def test_two_forwards_before_one_backward_with_an_update_between():
 
 def test_gradients_are_ready_group_by_group_before_backward_ends(monkeypatch):
     monkeypatch.setattr(cuda_runtime, "GROUP_NUMEL", 600)  # fc1+fc2 > 600: several groups
-    model, net, _, _ = _pair()
+    model, net, _, _ = pair()
     order = []
     for name, p in model.named_parameters():
         p.register_post_accumulate_grad_hook(lambda p, name=name: order.append(name))
@@ -167,7 +148,7 @@ def test_gradients_are_ready_group_by_group_before_backward_ends(monkeypatch):
 
 
 def test_create_graph_backward_differentiates_through_the_group():
-    model, net, ref, cpu = _pair()
+    model, net, ref, cpu = pair()
     x = torch.randn(8, 16)
     grads = torch.autograd.grad(net(x).sum(), list(model.parameters()), create_graph=True)
     penalty = sum(g.square().sum() for g in grads)
@@ -177,15 +158,6 @@ def test_create_graph_backward_differentiates_through_the_group():
     for p, q in zip(model.parameters(), ref.parameters()):
         if q.grad is not None:
             assert p.grad is not None and _close(p.grad, q.grad, 5e-2)
-
-
-def test_working_copies_are_two_bytes_per_low_weight_and_clear_drops_them():
-    model, net, _, _ = _pair()
-    net(torch.randn(2, 16)).sum().backward()
-    low = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("norm"))
-    assert sum(c.numel() * c.element_size() for c in net.working_copies()) == 2 * low
-    net.clear_weight_cache()
-    assert net.working_copies() == []
 
 
 def test_a_group_alone_refreshes_by_version_and_storage():

@@ -1,0 +1,229 @@
+"""ampgraph/train/codegen.py: the generated step's source per StepSpec, its compilation, the
+StepOutput it returns and the helpers the generated code calls."""
+
+from __future__ import annotations
+
+import dataclasses
+import linecache
+import re
+import traceback
+
+import pytest
+import torch
+from torch import nn
+
+from ampgraph.train.codegen import (
+    ALWAYS,
+    FOUND_INF,
+    HOST,
+    Counters,
+    StepOutput,
+    StepSpec,
+    cast_fp32,
+    fp32_loss,
+    full_tensor,
+    generate,
+    local_grads,
+    make_step_function,
+    model_loss,
+    runtime_helpers,
+    to_host,
+)
+from ampgraph.train.loss_scale import DynamicLossScaleManager, unscale_by_device
+
+# -- generate: only the code a configuration needs -------------------------------------------
+
+
+def test_the_plainest_step_has_no_scaling_clipping_accumulation_or_collectives():
+    source = generate(StepSpec(title="O2 bf16"))
+    assert '"""ampgraph train step: O2 bf16."""' in source
+    for absent in ("manager", "clip_grad_norm_", "all_reduce", "micro", "no_sync", "monitor",
+                   "observe_gradients", "update(optimizer)", "local_grads"):
+        assert absent not in source, absent
+    assert "scale = one" in source and "loss.backward()" in source
+    assert "_amp_foreach_non_finite_check_and_unscale_(grads, found_inf, one)" in source
+    assert "host = to_host(info)" in source and "    if not host[0]:\n        optimizer.step()" \
+        in source
+    compile(source, "<check>", "exec")
+
+
+@pytest.mark.parametrize("decision, present, absent", [
+    (HOST, "if not host[0]:", "optimizer.found_inf"),
+    (FOUND_INF, "optimizer.found_inf = found_inf", "to_host"),
+    (ALWAYS, "optimizer.step()  # drop_overflow_update=False", "to_host"),
+])
+def test_the_optimizer_step_is_gated_as_decided(decision, present, absent):
+    source = generate(StepSpec(title="t", scaled=True, decision=decision))
+    assert present in source and absent not in source
+    assert "(loss * scale).backward()" in source and "inv_scale = " in source
+
+
+def test_every_option_adds_its_own_lines():
+    spec = StepSpec(title="t", has_loss_fn=False, scaled=True, dynamic=True, clip_norm=0.5,
+                    norm_type=1.0, distributed=True, accumulation_steps=3, no_sync=True,
+                    monitor=True, update=True)
+    source = generate(spec)
+    for present in ("fp32_loss(model_loss(net(*args, **kwargs)))", "(loss / 3 * scale).backward()",
+                    "with net.no_sync() if micro != 2 else nullcontext():",
+                    "dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)",
+                    "monitor.after_backward(", "clip_grad_norm_(params, 0.5, norm_type=1.0)",
+                    "update(optimizer)", "manager.update_loss_scale(found_inf)",
+                    "counters.micro = micro + 1"):
+        assert present in source, present
+    compile(source, "<check>", "exec")
+
+
+def test_observing_on_a_synchronising_step_observes_clean_steps_only():
+    source = generate(StepSpec(title="t", scaled=True, observe=True))
+    assert source.count("to_host(info)") == 1  # the step's one synchronisation, before
+    assert source.index("to_host(info)") < source.index("observe_gradients")
+    assert "    if not host[0]:\n        manager.observe_gradients(params, found_inf)\n" \
+        "        optimizer.step()" in source
+    compile(source, "<check>", "exec")
+    fused = generate(StepSpec(title="t", scaled=True, observe=True, decision=FOUND_INF))
+    assert "    manager.observe_gradients(params, found_inf)  # on the device" in fused
+
+
+@pytest.mark.xfail(strict=True, raises=SyntaxError, reason=(
+    "known bug: with observe (AdaptiveLossScaleManager) and a host-synchronised step, the "
+    "clipping line lands between `if not host[0]:` and the optimizer step, so "
+    "build_train_step(..., loss_scale_manager=AdaptiveLossScaleManager(), clip_grad_norm=1.0) "
+    "fails to compile its step"))
+def test_observing_with_clipping_compiles():
+    compile(generate(StepSpec(title="t", scaled=True, observe=True, clip_norm=1.0)), "<check>",
+            "exec")
+
+
+def test_unscaling_follows_the_gradients_layout():
+    def unscale_line(**kw):
+        source = generate(StepSpec(title="t", scaled=True, **kw))
+        return [line.strip() for line in source.splitlines() if "unscale" in line
+                and not line.strip().startswith("#")]
+
+    assert unscale_line(custom_unscale=True) == ["manager.unscale_(params, found_inf)  # "
+                                                 "per-layer scales"]
+    assert unscale_line(multi_device=True) == ["unscale_by_device(params, found_inf, inv_scale)"]
+    sharded = generate(StepSpec(title="t", scaled=True, sharded=True, clip_norm=1.0))
+    assert "grads = local_grads(params)" in sharded and "full_tensor(grad_norm)" in sharded
+
+
+def test_spec_is_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        StepSpec(title="t").scaled = True
+
+
+# -- the generated function, run -------------------------------------------------------------
+
+
+def namespace(model: nn.Module, opt, manager=None) -> dict:
+    params = list(model.parameters())
+    return {**runtime_helpers(), "net": model, "module": model, "optimizer": opt,
+            "loss_fn": nn.functional.mse_loss, "manager": manager, "params": params,
+            "found_inf": torch.zeros(()), "one": torch.ones(()), "counters": Counters(),
+            "StepOutput": StepOutput, "group": None, "monitor": None}
+
+
+def test_a_scaled_step_with_accumulation_runs_and_skips_on_overflow():
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    manager = DynamicLossScaleManager(init_loss_scale=8.0)
+    spec = StepSpec(title="t", scaled=True, dynamic=True, accumulation_steps=2)
+    step = make_step_function(generate(spec), namespace(model, opt, manager))
+    x, y = torch.randn(3, 4), torch.randn(3, 2)
+    before = model.weight.detach().clone()
+    first = step(x, y)
+    assert not first.stepped and torch.equal(model.weight, before)
+    out = step(x, y)
+    assert out.stepped and out.loss_scale == 8.0 and out.overflow is False
+    assert not torch.equal(model.weight, before)
+    assert model.weight.grad.abs().max() < 10  # unscaled: of the order of the loss's
+    after = model.weight.detach().clone()
+    step(x, y)
+    bad = step(x * float("inf"), y)
+    assert bad.overflow is True and torch.equal(model.weight, after)
+    assert manager.get_loss_scale() == 4.0
+
+
+def test_the_generated_source_shows_in_tracebacks():
+    step = make_step_function(generate(StepSpec(title="t")), {"params": [],
+                                                              "found_inf": None})
+    with pytest.raises(AttributeError) as info:
+        step()
+    frame = traceback.extract_tb(info.value.__traceback__)[-1]
+    assert frame.filename.startswith("<ampgraph-train-step-") and frame.line == \
+        "found_inf.zero_()"
+    assert linecache.getline(frame.filename, 1).startswith("def train_step(")
+
+
+# -- StepOutput and Counters -------------------------------------------------------------------
+
+
+def test_step_output_fetches_its_info_once_and_unpacks():
+    info = torch.tensor([1.0, 512.0])
+    out = StepOutput(torch.tensor(0.25), info, True)
+    info.fill_(0.0)  # read lazily: the first read fetches what the tensor holds then
+    assert (out.overflow, out.loss_scale) == (False, 0.0)
+    info.fill_(7.0)
+    assert out.loss_scale == 0.0  # fetched once
+    loss, overflow, scale = StepOutput(torch.tensor(0.5), torch.tensor([1.0, 8.0]), False)
+    assert (loss.item(), overflow, scale) == (0.5, True, 8.0)
+    synced = StepOutput(torch.tensor(0.5), torch.tensor([0.0, 0.0]), True, host=[1.0, 2.0])
+    assert synced.overflow is True and synced.loss_scale == 2.0 and synced.grad_norm is None
+    assert repr(synced) == "StepOutput(loss=0.5, overflow=True, loss_scale=2.0, stepped=True)"
+
+
+def test_counters_start_at_zero():
+    c = Counters()
+    assert (c.micro, c.step_index) == (0, 0)
+    with pytest.raises(AttributeError):
+        c.other = 1  # slots
+
+
+# -- helpers the generated code calls --------------------------------------------------------
+
+
+def test_fp32_loss_takes_one_element_and_widens_it():
+    got = fp32_loss(torch.tensor([[2.0]], dtype=torch.bfloat16))
+    assert got.dtype == torch.float32 and got.shape == () and got.item() == 2.0
+    scalar = torch.tensor(1.5)
+    assert fp32_loss(scalar) is scalar
+    for bad, shown in [(torch.ones(3), "(3,)"), (1.0, "float")]:
+        with pytest.raises(ValueError, match=rf"one-element tensor, got {re.escape(shown)}: "):
+            fp32_loss(bad)
+
+
+def test_model_loss_finds_the_loss_in_what_the_model_returns():
+    t = torch.tensor(1.0)
+    assert model_loss(t) is t
+    assert model_loss({"loss": t, "logits": None}) is t
+    assert model_loss(type("Out", (), {"loss": t})()) is t
+    with pytest.raises(ValueError, match="pass labels=.*got dict"):
+        model_loss({"logits": t})
+
+
+def test_cast_fp32_makes_every_floating_output_fp32():
+    out = cast_fp32({"a": torch.ones(2, dtype=torch.bfloat16),
+                     "ids": torch.ones(2, dtype=torch.long),
+                     "b": [torch.ones(1, dtype=torch.float64)], "n": 3})
+    assert out["a"].dtype == torch.float32 and out["ids"].dtype == torch.long
+    assert out["b"][0].dtype == torch.float32 and out["n"] == 3
+
+
+def test_grads_and_tensors_of_plain_parameters_pass_through():
+    p, q = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(3))
+    p.grad = torch.full((2,), 3.0)
+    assert local_grads([p, q]) == [p.grad] and local_grads([p])[0] is p.grad
+    t = torch.ones(1)
+    assert full_tensor(t) is t
+    assert to_host(torch.tensor([0.0, 4.0])) == [0.0, 4.0]
+
+
+def test_runtime_helpers_names_what_the_source_uses():
+    helpers = runtime_helpers()
+    assert helpers["unscale_by_device"] is unscale_by_device and helpers["torch"] is torch
+    assert helpers["clip_grad_norm_"] is torch.nn.utils.clip_grad_norm_
+    source = generate(StepSpec(title="t", clip_norm=1.0, multi_device=True, no_sync=True,
+                               accumulation_steps=2))
+    for name in ("clip_grad_norm_", "unscale_by_device", "nullcontext", "fp32_loss", "to_host"):
+        assert name in source and name in helpers
