@@ -1,4 +1,4 @@
-"""Levels, overrides, policy table, verification and painted regions of the ONNX pass."""
+"""Levels, overrides and node naming of the ONNX pass."""
 
 from __future__ import annotations
 
@@ -10,37 +10,11 @@ import numpy as np
 import pytest
 from onnx import helper
 
-from passes._infra import PassError
-from passes.onnx import ONNX_TABLE, convert_model, low_regions, verify_model
-from passes.onnx.regions import bisect_regions
-from passes.policy import ALLOW, CLEAR, DENY, NORM, make_policy
-from tests.passes.onnx.util import F16, F32, casts, check, init, make, rand, reads, vi
+from passes.onnx import convert_model
+from tests.passes.onnx.util import F16, F32, casts, check, init, make, mlp, rand, reads, vi
 
 FEEDS = {"x": rand(2, 8, scale=1.0)}
 ROOT = Path(__file__).resolve().parents[3]
-
-
-def mlp(names=("mm1", "add1", "relu", "mm2", "ln", "softmax")):
-    nodes = [
-        helper.make_node("MatMul", ["x", "W1"], ["a"], name=names[0]),
-        helper.make_node("Add", ["a", "b1"], ["h"], name=names[1]),
-        helper.make_node("Relu", ["h"], ["r"], name=names[2]),
-        helper.make_node("MatMul", ["r", "W2"], ["m"], name=names[3]),
-        helper.make_node("LayerNormalization", ["m", "g", "b"], ["n"], name=names[4]),
-        helper.make_node("Softmax", ["n"], ["y"], name=names[5], axis=-1),
-    ]
-    inits = [init("W1", rand(8, 8)), init("b1", rand(8)), init("W2", rand(8, 8)),
-             init("g", np.ones(8)), init("b", np.zeros(8))]
-    return make(nodes, [vi("x", F32, [2, 8])], [vi("y", F32, [2, 8])], inits)
-
-
-def test_policy_table_shares_the_fx_vocabulary():
-    assert ONNX_TABLE.info("MatMul").cls == ALLOW and ONNX_TABLE.info("Conv").cls == ALLOW
-    assert ONNX_TABLE.info("LayerNormalization").group == NORM
-    assert ONNX_TABLE.info("Softmax").cls == DENY and ONNX_TABLE.info("Reshape").cls == CLEAR
-    assert ONNX_TABLE.info("Sqrt").group == "default"  # INFER
-    policy = make_policy("O3", table=ONNX_TABLE, keep_norm_fp32=True)
-    assert policy.op_info("BatchNormalization").cls == DENY
 
 
 def test_o0_changes_nothing():
@@ -96,53 +70,11 @@ def test_unnamed_nodes_get_names_and_input_is_not_modified():
     assert all(names) and len(set(names)) == len(names)
 
 
-def test_verify_rejects_round_trips_and_duplicate_casts():
-    from passes.onnx.casts import INSERTED
-
-    chain = make([
-        helper.make_node("Cast", ["x"], ["a"], name="c1", to=F32, doc_string=INSERTED),
-        helper.make_node("Cast", ["a"], ["y"], name="c2", to=F16, doc_string=INSERTED),
-    ], [vi("x", F16, [2])], [vi("y", F16, [2])])
-    with pytest.raises(PassError, match="round trip"):  # fp16 -> fp32 -> fp16: a waste
-        verify_model(chain)
-    rounding = make([  # fp32 -> fp16 -> fp32 changes values: a user's rounding is kept
-        helper.make_node("Cast", ["x"], ["a"], name="c1", to=F16),
-        helper.make_node("Cast", ["a"], ["y"], name="c2", to=F32),
-    ], [vi("x", F32, [2])], [vi("y", F32, [2])])
-    verify_model(rounding)
-    dup = make([
-        helper.make_node("Cast", ["x"], ["a"], name="c1", to=F16, doc_string=INSERTED),
-        helper.make_node("Cast", ["x"], ["b"], name="c2", to=F16, doc_string=INSERTED),
-        helper.make_node("Add", ["a", "b"], ["y"], name="add"),
-    ], [vi("x", F32, [2])], [vi("y", F16, [2])])
-    with pytest.raises(PassError, match="shared"):
-        verify_model(dup)
-    with pytest.raises(PassError, match="keep_io_types"):
-        verify_model(convert_model(mlp(), "O2").model, io_types={"y": F16})
-
-
 def test_unknown_dtype_and_level_raise():
     with pytest.raises(ValueError, match="fp16"):
         convert_model(mlp(), "O2", "int8")
     with pytest.raises(ValueError, match="amp_level"):
         convert_model(mlp(), "O4")
-
-
-def test_regions_are_components_of_low_nodes():
-    result = convert_model(mlp(), "O2")
-    assert low_regions(result.dataflow, result.assignment) == [["mm1", "add1", "relu", "mm2"]]
-    o3 = convert_model(mlp(), "O3", op_block_list=["Relu"])
-    assert low_regions(o3.dataflow, o3.assignment) == [["mm1", "add1"], ["mm2", "ln", "softmax"]]
-
-
-def test_bisect_finds_the_needed_regions():
-    def error(kept):
-        return 0.0 if {2, 5} <= kept else 1.0
-
-    assert bisect_regions(8, error, 0.1) == {2, 5}
-    assert bisect_regions(3, lambda kept: 0.0, 0.1) == frozenset()
-    with pytest.raises(ValueError, match="cannot be met"):
-        bisect_regions(3, lambda kept: 1.0, 0.1)
 
 
 def test_passes_onnx_never_imports_ampgraph():
