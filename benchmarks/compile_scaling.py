@@ -46,9 +46,9 @@ from passes.fx.graph import build_dataflow, prepare  # noqa: E402
 from passes.fx.hazards import mark_range_hazards  # noqa: E402
 from passes.fx.insert_casts import annotate, insert_casts  # noqa: E402
 from passes.fx.pipeline import gc_paused  # noqa: E402
+from passes.fx.policy import make_policy  # noqa: E402
 from passes.fx.verify import verify  # noqa: E402
 from passes.paint import paint  # noqa: E402
-from passes.policy import make_policy  # noqa: E402
 
 D = 16
 

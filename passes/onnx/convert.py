@@ -23,12 +23,12 @@ from passes.onnx.initializers import (
     large_constant_cones,
     unsafe_range_consumers,
 )
-from passes.onnx.policy import FLOAT, LOW_DTYPES, ONNX_TABLE
+from passes.onnx.policy import FLOAT, LOW_DTYPES, make_policy
 from passes.onnx.schema import low_blocker
 from passes.onnx.skeleton import attach_data, detached_copy
 from passes.onnx.verify import verify_model
 from passes.paint import Assignment, Decision, paint
-from passes.policy import FP32, make_policy
+from passes.policy import FP32
 
 _MAX_RANGE_ROUNDS = 10
 
@@ -127,7 +127,7 @@ def convert_model(
     rules = [(module_key(p), FP32, "node_block_list") for p in node_block_list]
     for _ in range(_MAX_RANGE_ROUNDS):
         policy = make_policy(
-            level, table=ONNX_TABLE, keep_norm_fp32=keep_norm_fp32, deny_ops=op_block_list,
+            level, keep_norm_fp32=keep_norm_fp32, deny_ops=op_block_list,
             module_rules=rules + [(module_key(_escape(n)), FP32, "pass") for n in forced],
         )
         assignment = _tidy(paint(graph, policy), forced)

@@ -3,7 +3,8 @@
 Keys are plain ONNX op types (``MatMul``, ``Softmax``); contrib ops of other domains
 (``com.microsoft`` ``Attention``, ``FusedMatMul`` ...) use their op type too. The
 classes and the NORM group follow ``passes.policy`` so that the same level table and
-``keep_norm_fp32`` switch apply as in the FX pass. Ops not listed are INFER.
+``keep_norm_fp32`` switch apply as in the FX pass (``passes.fx.policy``). Ops not listed
+are INFER; :func:`make_policy` builds a policy over this table.
 
 Besides the classes, this module lists the input slots that must stay FP32 whatever
 the node's precision (Resize scales, Range bounds, GroupNorm gamma/beta ...), the
@@ -12,34 +13,37 @@ selection ops for which clamping an out-of-range constant is exact, and the dtyp
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
 from onnx import TensorProto
 
-from passes.policy import ALLOW, CLEAR, DENY, NORM, OpGroup, OpTable, _group
+from passes.policy import ALLOW, CLEAR, DENY, NORM, LevelPolicy, OpGroup, OpTable, op_group
+from passes.policy import make_policy as make_dialect_policy
 
 ONNX_GROUPS: tuple[OpGroup, ...] = (
-    _group(
+    op_group(
         "matmul", ALLOW,
         "matrix multiply: Tensor Cores run it several times faster and accumulate in fp32",
         "MatMul Gemm Einsum FusedMatMul FusedGemm",
     ),
-    _group(
+    op_group(
         "conv", ALLOW,
         "convolution: Tensor Cores run it several times faster and accumulate in fp32",
         "Conv ConvTranspose FusedConv NhwcConv",
     ),
-    _group(
+    op_group(
         "attention", ALLOW,
         "fused attention: matmul-bound, its kernels keep softmax statistics in fp32",
         "Attention MultiHeadAttention GroupQueryAttention PackedAttention "
         "PackedMultiHeadAttention DecoderMaskedMultiHeadAttention",
     ),
-    _group(
+    op_group(
         "rnn", ALLOW,
         "recurrent cells: a matmul per step dominates",
         "LSTM GRU RNN PRelu",
     ),
-    _group(
+    op_group(
         NORM, DENY,
         "normalisation: mean/variance statistics lose precision in 16 bits",
         "BatchNormalization LayerNormalization GroupNormalization InstanceNormalization "
@@ -47,33 +51,33 @@ ONNX_GROUPS: tuple[OpGroup, ...] = (
         "SkipSimplifiedLayerNormalization LpNormalization MeanVarianceNormalization LRN "
         "GroupNorm SkipGroupNorm EmbedLayerNormalization",
     ),
-    _group(
+    op_group(
         "softmax", DENY,
         "softmax family: exp of large logits overflows and the normalising sum loses precision",
         "Softmax LogSoftmax",
     ),
-    _group(
+    op_group(
         "loss", DENY,
         "loss: computed in fp32 so small per-sample losses survive",
         "SoftmaxCrossEntropyLoss NegativeLogLikelihoodLoss",
     ),
-    _group(
+    op_group(
         "transcendental", DENY,
         "|f(x)| can be far larger or smaller than |x|: the result leaves the 16-bit range",
         "Exp Log Pow Reciprocal Softplus Sinh Cosh Tan Acos Asin Acosh Asinh Atanh",
     ),
-    _group(
+    op_group(
         "reduction", DENY,
         "large reduction: a 16-bit accumulator drops the small terms",
         "ReduceSum ReduceMean ReduceProd ReduceL1 ReduceL2 ReduceLogSum ReduceLogSumExp "
         "ReduceSumSquare CumSum",
     ),
-    _group(
+    op_group(
         "index", DENY,
         "computes counts or coordinates: 16-bit rounding changes the number of elements",
         "Range",
     ),
-    _group(
+    op_group(
         "data", CLEAR,
         "moves or selects data without arithmetic: follows its neighbours' precision",
         "Reshape Transpose Squeeze Unsqueeze Flatten Concat Split Slice Gather GatherElements "
@@ -84,6 +88,25 @@ ONNX_GROUPS: tuple[OpGroup, ...] = (
 )
 
 ONNX_TABLE = OpTable(ONNX_GROUPS)
+
+
+def make_policy(
+    level: str,
+    *,
+    keep_norm_fp32: bool | None = None,
+    deny_ops: Iterable[str] = (),
+    module_rules: Iterable[tuple[str, str, str]] = (),
+) -> LevelPolicy:
+    """The policy of one conversion over :data:`ONNX_TABLE`: ``passes.policy.make_policy``
+    with the ONNX op table (arguments and errors as there; the ONNX pass forces ops to
+    FP32 only).
+
+    Example:
+        >>> make_policy("O2", deny_ops=["MatMul"]).op_info("MatMul").cls
+        'deny'
+    """
+    return make_dialect_policy(level, table=ONNX_TABLE, keep_norm_fp32=keep_norm_fp32,
+                               deny_ops=deny_ops, module_rules=module_rules)
 
 # Input slots that stay FP32 whatever the node's precision. A node whose FP32 slot shares
 # a type parameter with its data input (Range, ONNX GroupNormalization) therefore runs in
@@ -163,4 +186,5 @@ __all__ = [
     "ONNX_TABLE",
     "SATURATING",
     "dtype_limits",
+    "make_policy",
 ]

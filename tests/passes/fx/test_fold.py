@@ -88,7 +88,7 @@ class RMSNormThenLinear(nn.Module):
 
 def test_ops_the_rewrite_left_unused_are_dropped_but_random_draws_stay():
     from passes.fx import drop_dead_ops, run_amp_passes
-    from passes.policy import make_policy
+    from passes.fx.policy import make_policy
     from tests.passes.fx.helpers import export
 
     model, x = RMSNormThenLinear(), torch.randn(2, 5, 16)

@@ -10,8 +10,8 @@ from torch import nn
 
 from passes.fx import run_amp_passes
 from passes.fx.dtypes import dtype_of, is_amp_cast
+from passes.fx.policy import make_policy
 from passes.fx.runtime_ops import RuntimeOps
-from passes.policy import make_policy
 from tests.helpers import NORM_OPS, record
 
 aten = torch.ops.aten

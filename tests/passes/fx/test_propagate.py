@@ -9,8 +9,8 @@ import passes.fx.propagate as casts  # (the module was passes.fx.casts)
 from passes.fx.dtypes import dtype_of
 from passes.fx.graph import build_dataflow, op_key, prepare
 from passes.fx.insert_casts import annotate, insert_casts
+from passes.fx.policy import make_policy
 from passes.paint import paint
-from passes.policy import make_policy
 from tests.helpers import make
 from tests.passes.fx.helpers import blocks, dtype_blocks, export, meta_of, one_dtype_blocks
 

@@ -11,8 +11,8 @@ from torch import nn
 from passes.fx import run_amp_passes, verify
 from passes.fx.dtypes import CAST, is_amp_cast
 from passes.fx.fold import count_casts
+from passes.fx.policy import make_policy
 from passes.fx.runtime_ops import RuntimeOps
-from passes.policy import make_policy
 
 aten = torch.ops.aten
 CALLS: list[str] = []
