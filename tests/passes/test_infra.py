@@ -12,6 +12,7 @@ from torch import fx
 from passes._infra import (
     ConstantRangeWarning,
     PassError,
+    PassInputError,
     PassManager,
     PassResult,
     failing_node,
@@ -126,3 +127,25 @@ def test_pass_names():
             return PassResult(gm, False)
 
     assert pass_name(Fold()) == "Fold"
+
+
+def test_input_errors_turn_a_value_error_into_a_pass_input_error():
+    def bad_model(gm):
+        for node in gm.graph.nodes:
+            if node.name == "neg":
+                raise ValueError("value 'neg' is defined twice")
+        return PassResult(gm, False)
+
+    with pytest.raises(PassInputError) as info:
+        PassManager([bad_model], input_errors=True).run(small_graph())
+    err = info.value
+    assert isinstance(err, ValueError) and isinstance(err, PassError)
+    assert str(err) == "[bad_model] at node 'neg': value 'neg' is defined twice"
+    assert isinstance(err.__cause__, ValueError)
+    with pytest.raises(PassError) as plain:  # by default a ValueError is a pass's bug
+        PassManager([bad_model]).run(small_graph())
+    assert not isinstance(plain.value, ValueError)
+    assert str(plain.value) == "[bad_model] at node 'neg': ValueError: value 'neg' is defined twice"
+    with pytest.raises(PassError) as other:  # other errors stay bugs
+        PassManager([lookup_by_op], input_errors=True).run(small_graph())
+    assert not isinstance(other.value, ValueError)

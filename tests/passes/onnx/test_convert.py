@@ -1,4 +1,4 @@
-"""Levels, overrides and node naming of the ONNX pass."""
+"""Levels, overrides and node naming of the ONNX pass; its passes, named in failures."""
 
 from __future__ import annotations
 
@@ -10,7 +10,10 @@ import numpy as np
 import pytest
 from onnx import helper
 
+import passes.onnx.convert as pconvert
+from passes._infra import PassError, PassInputError
 from passes.onnx import convert_model
+from passes.onnx.convert import ConvertState, onnx_passes
 from tests.passes.onnx.util import F16, F32, casts, check, init, make, mlp, rand, reads, vi
 
 FEEDS = {"x": rand(2, 8, scale=1.0)}
@@ -113,3 +116,63 @@ def test_o2_keeps_an_infer_op_between_fp32_ops_fp32_unless_returned():
     assert "between fp32 ops" in result.assignment["add"].reason
     assert len(casts(result.model)) == 2  # x and mm's output; none around add
     assert check(model(True), "O2", feeds=FEEDS).precision("add") == "low"
+
+
+def test_the_passes_in_order():
+    def names(level):
+        return [p.__name__ for p in onnx_passes(level, F16, ConvertState())]
+
+    assert names("O2") == ["index_model", "build_dataflow", "mark_low_blockers", "fit_ranges",
+                           "insert_casts", "attach_data", "verify"]
+    assert names("O0") == ["index_model", "build_dataflow", "mark_low_blockers", "paint",
+                           "attach_data"]
+    unchecked = onnx_passes("O3", F16, ConvertState(), check=False)
+    assert [p.__name__ for p in unchecked][-1] == "attach_data"
+
+
+def test_a_failing_pass_is_named_with_the_node_it_was_working_on(monkeypatch):
+    def broken(node, opset, types, low):
+        if node.name == "mm2":
+            raise KeyError("no schema")
+        return None
+
+    monkeypatch.setattr(pconvert, "low_blocker", broken)
+    with pytest.raises(PassError) as info:
+        convert_model(mlp(), "O2")
+    err = info.value
+    assert (err.pass_name, err.node) == ("mark_low_blockers", "mm2")
+    assert str(err) == "[mark_low_blockers] at node 'mm2': KeyError: 'no schema'"
+    assert isinstance(err.__cause__, KeyError) and not isinstance(err, ValueError)
+
+
+def test_a_pass_failing_inside_the_range_rounds_is_named_not_its_round(monkeypatch):
+    def broken(*args):
+        raise RuntimeError("bounds unreadable")
+
+    monkeypatch.setattr(pconvert, "unsafe_range_consumers", broken)
+    with pytest.raises(PassError) as info:
+        convert_model(mlp(), "O1")
+    assert (info.value.pass_name, info.value.node) == ("keep_ranges_fp32", None)
+    assert str(info.value) == "[keep_ranges_fp32]: RuntimeError: bounds unreadable"
+
+
+def test_a_verify_failure_keeps_the_node_verify_names(monkeypatch):
+    monkeypatch.setattr(pconvert, "_expected", lambda requests: {"relu": {0: F32}})
+    with pytest.raises(PassError) as info:
+        convert_model(mlp(), "O2")
+    assert (info.value.pass_name, info.value.node) == ("verify", "relu")
+    assert "the precision plan asked for FLOAT" in str(info.value)
+    assert convert_model(mlp(), "O2", check=False).precision("relu") == "low"
+
+
+def test_a_model_a_pass_cannot_take_is_a_value_error_naming_the_pass_and_node():
+    nodes = [helper.make_node("Relu", ["x"], ["h"], name="first"),
+             helper.make_node("Neg", ["x"], ["h"], name="second")]  # "h" defined twice
+    graph = helper.make_graph(nodes, "g", [vi("x", F32, [2])], [vi("h", F32, [2])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    with pytest.raises(ValueError) as info:
+        convert_model(model, "O2")
+    err = info.value
+    assert isinstance(err, PassInputError)
+    assert (err.pass_name, err.node) == ("index_model", "second")
+    assert str(err).startswith("[index_model] at node 'second': value 'h' is defined twice")
