@@ -33,3 +33,40 @@ def test_verify_rejects_round_trips_and_duplicate_casts():
         verify_model(dup)
     with pytest.raises(PassError, match="keep_io_types"):
         verify_model(convert_model(mlp(), "O2").model, io_types={"y": F16})
+
+
+def test_a_converted_model_passes_and_its_types_come_back():
+    result = convert_model(mlp(), "O2")
+    types = verify_model(result.model, io_types={"x": F32, "y": F32})
+    assert types["x"] == F32 and types["x_fp16"] == F16 and types["W1"] == F16
+
+
+def test_verify_names_the_node_that_reads_the_wrong_dtype():
+    model = convert_model(mlp(), "O2").model
+    with pytest.raises(PassError) as info:
+        verify_model(model, expected={"ln": {0: F16}})  # the plan said fp16, ln reads fp32
+    assert (info.value.pass_name, info.value.node) == ("verify", "ln")
+    assert "input 0 ('m_fp32') is FLOAT, the precision plan asked for FLOAT16" in str(info.value)
+    verify_model(model, expected={"ln": {0: F32}, "gone": {0: F16}})  # unknown nodes: skipped
+
+
+def test_verify_reports_checker_and_inference_failures():
+    model = convert_model(mlp(), "O2").model
+    model.graph.node[1].input[0] = "nowhere"
+    with pytest.raises(PassError, match=r"\[verify\]: onnx.checker rejects the converted model"):
+        verify_model(model)
+    clash = helper.make_graph([helper.make_node("Add", ["a", "b"], ["y"], name="add")], "g",
+                              [vi("a", F32, [2]), vi("b", F16, [2])], [vi("y", F32, [2])])
+    mixed = helper.make_model(clash, opset_imports=[helper.make_opsetid("", 17)])
+    mixed.ir_version = 10
+    with pytest.raises(PassError, match="shape inference fails on the converted model"):
+        verify_model(mixed)
+
+
+def test_a_users_own_repeated_casts_are_allowed():
+    twice = make([
+        helper.make_node("Cast", ["x"], ["a"], name="c1", to=F16),
+        helper.make_node("Cast", ["x"], ["b"], name="c2", to=F16),
+        helper.make_node("Add", ["a", "b"], ["y"], name="add"),
+    ], [vi("x", F32, [2])], [vi("y", F16, [2])])
+    assert verify_model(twice)["y"] == F16
