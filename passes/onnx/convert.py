@@ -113,7 +113,7 @@ def convert_model(
         raise ValueError(f"unknown dtype {dtype!r}: choose 'fp16' or 'bf16'")
     low = LOW_DTYPES[dtype]
     op_block_list = tuple(op_block_list)
-    make_policy(level, keep_norm_fp32=keep_norm_fp32, deny_ops=op_block_list)  # a bad level
+    make_policy(level, keep_norm_fp32=keep_norm_fp32, deny_ops=op_block_list)  # ValueError now
     # a copy without the large weights' data: each is converted from the caller's tensor
     # straight into its stub, or copied at the end (attach_data) if it stays as it is
     work, pairs = detached_copy(model) if copy else (model, [])
