@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from ampgraph.runtime import RUNTIMES
-from passes.policy import FP32, FX_TABLE, LEVELS, LOW, LevelPolicy, make_policy
+from passes.fx.policy import FX_TABLE, make_policy
+from passes.policy import FP32, LEVELS, LOW, LevelPolicy
 
 DTYPE_NAMES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
                "fp16": torch.float16, "float16": torch.float16, "half": torch.float16}

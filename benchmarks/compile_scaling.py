@@ -47,10 +47,10 @@ from passes.fx.fold.casts import fold_casts  # noqa: E402
 from passes.fx.hazards import mark_range_hazards  # noqa: E402
 from passes.fx.insert_casts import annotate, insert_casts  # noqa: E402
 from passes.fx.pipeline import gc_paused  # noqa: E402
+from passes.fx.policy import make_policy  # noqa: E402
 from passes.fx.prepare import prepare  # noqa: E402
 from passes.fx.verify import verify  # noqa: E402
 from passes.paint import paint  # noqa: E402
-from passes.policy import make_policy  # noqa: E402
 
 D = 16
 

@@ -7,7 +7,7 @@ ONNX graphs, the dialect-free painter and the policy tables.
 
 from __future__ import annotations
 
-from passes._infra import PassError, PassManager, PassResult
+from passes._infra import PassError, PassInputError, PassManager, PassResult
 from passes.paint import Assignment, Decision, paint
 from passes.policy import LEVELS, LevelPolicy, make_policy
 
@@ -17,6 +17,7 @@ __all__ = [
     "Decision",
     "LevelPolicy",
     "PassError",
+    "PassInputError",
     "PassManager",
     "PassResult",
     "make_policy",

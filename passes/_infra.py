@@ -46,6 +46,16 @@ class PassError(RuntimeError):
         super().__init__(f"[{pass_name}]{where}: {message}")
 
 
+class PassInputError(PassError, ValueError):
+    """A pass refused its input (a model it cannot take, not a bug in the pass); a
+    ``ValueError`` too, so callers that catch bad input catch it. Raised by a
+    :class:`PassManager` built with ``input_errors=True`` for a pass's ``ValueError``.
+
+    Example:
+        >>> raise PassInputError("index_model", "add", "value 'h' is defined twice")
+    """
+
+
 class ConstantRangeWarning(UserWarning):
     """A constant outside the low dtype's range was clamped (or kept its consumer fp32)."""
 
@@ -165,12 +175,18 @@ class PassManager:
     pass without one, by :func:`failing_node`). A warning that a warnings filter turned into
     an exception is the caller's choice, not a failure: it passes through.
 
+    With ``input_errors`` a ``ValueError`` is the input's fault (the passes raise it for a
+    model they cannot take): it is wrapped as :class:`PassInputError`, which is a
+    ``ValueError`` still, its message without the exception's type.
+
     Example:
         >>> PassManager([fold_casts, named("verify", verify, torch.bfloat16)]).run(gm)
     """
 
-    def __init__(self, passes: Sequence[Callable[[Any], PassResult]]):
+    def __init__(self, passes: Sequence[Callable[[Any], PassResult]], *,
+                 input_errors: bool = False):
         self.passes = list(passes)
+        self.input_errors = input_errors
 
     def run(self, graph: Any) -> PassResult:
         modified = False
@@ -185,6 +201,8 @@ class PassManager:
                 node = _name_of(visits[-1][0]) if visits else None
                 if node is None:  # no visiting loop at a node: the older way
                     node = failing_node(exc.__traceback__)
+                if self.input_errors and isinstance(exc, ValueError):
+                    raise PassInputError(pass_name(p), node, str(exc)) from exc
                 raise PassError(pass_name(p), node,
                                 f"{type(exc).__name__}: {exc}") from exc
             finally:

@@ -1,4 +1,6 @@
-"""Precision policy as data: op classes per dialect, level tables, user overrides.
+"""Precision policy as data: what both dialects share: op classes, level tables, user
+overrides. Each dialect's op groups live with it (``passes.fx.policy``,
+``passes.onnx.policy``).
 
 Every op belongs to one of four classes (the TensorFlow grappler vocabulary):
 
@@ -8,7 +10,7 @@ Every op belongs to one of four classes (the TensorFlow grappler vocabulary):
   transcendental ops, large reductions).
 - ``CLEAR``: moves data without arithmetic and follows its neighbours.
 
-Adding an op is one line in a group below; each group says why it is there. Ops not
+Adding an op is one line in a dialect's group; each group says why it is there. Ops not
 listed are ``INFER``. Keys are dialect-qualified op names: ``aten.softmax`` for FX
 (an overload such as ``aten.softmax.int`` may be listed too, it wins), plain ONNX op
 types (``Softmax``) for ONNX.
@@ -48,105 +50,13 @@ class OpGroup:
 
 
 def op_group(name: str, cls: str, reason: str, ops: str) -> OpGroup:
-    """An :class:`OpGroup` whose ops are given as one whitespace-separated string (each
-    dialect's tables list their ops this way).
+    """A group from its ops written as one space-separated string.
 
     Example:
-        >>> sorted(op_group("add", CLEAR, "elementwise", "aten.add aten.sub").ops)
-        ['aten.add', 'aten.sub']
+        >>> op_group("softmax", DENY, "exp overflows", "Softmax LogSoftmax").ops
+        frozenset({'LogSoftmax', 'Softmax'})
     """
     return OpGroup(name, cls, reason, frozenset(ops.split()))
-
-
-FX_GROUPS: tuple[OpGroup, ...] = (
-    op_group(
-        "matmul", ALLOW,
-        "matrix multiply: Tensor Cores / AMX / AVX512-BF16 run it several times faster "
-        "and accumulate in fp32",
-        "aten.linear aten.addmm aten.mm aten.bmm aten.matmul aten.baddbmm aten.addbmm "
-        "aten.addmv aten.addr aten.mv aten.einsum aten.chain_matmul aten.linalg_multi_dot "
-        "aten._addmm_activation aten.bilinear",
-    ),
-    op_group(
-        "conv", ALLOW,
-        "convolution: Tensor Cores / AMX run it several times faster and accumulate in fp32",
-        "aten.conv1d aten.conv2d aten.conv3d aten.convolution aten._convolution "
-        "aten.conv_transpose1d aten.conv_transpose2d aten.conv_transpose3d "
-        "aten.cudnn_convolution aten.mkldnn_convolution aten.conv_tbc",
-    ),
-    op_group(
-        "attention", ALLOW,
-        "fused attention: matmul-bound, its kernels keep softmax statistics in fp32",
-        "aten.scaled_dot_product_attention aten._scaled_dot_product_flash_attention "
-        "aten._scaled_dot_product_efficient_attention aten._scaled_dot_product_cudnn_attention "
-        "aten._scaled_dot_product_flash_attention_for_cpu",
-    ),
-    op_group(
-        "rnn", ALLOW,
-        "recurrent cells: a matmul per step dominates",
-        "aten.lstm aten.gru aten.rnn_tanh aten.rnn_relu aten.lstm_cell aten.gru_cell "
-        "aten.rnn_tanh_cell aten.rnn_relu_cell aten.prelu aten._prelu_kernel",
-    ),
-    op_group(
-        NORM, DENY,
-        "normalisation: mean/variance statistics lose precision in 16 bits",
-        "aten.batch_norm aten.native_batch_norm aten._native_batch_norm_legit "
-        "aten._native_batch_norm_legit_functional aten._native_batch_norm_legit_no_training "
-        "aten.cudnn_batch_norm aten.layer_norm aten.native_layer_norm aten.group_norm "
-        "aten.native_group_norm aten.instance_norm aten.rms_norm aten._fused_rms_norm "
-        "aten.local_response_norm",
-    ),
-    op_group(
-        "softmax", DENY,
-        "softmax family: exp of large logits overflows and the normalising sum loses precision",
-        "aten.softmax aten._softmax aten.log_softmax aten._log_softmax aten._safe_softmax",
-    ),
-    op_group(
-        "loss", DENY,
-        "loss: computed in fp32 so small per-sample losses and their gradients survive",
-        "aten.cross_entropy_loss aten.nll_loss aten.nll_loss2d aten.nll_loss_nd "
-        "aten.nll_loss_forward aten.mse_loss aten.l1_loss aten.smooth_l1_loss aten.huber_loss "
-        "aten.binary_cross_entropy aten.binary_cross_entropy_with_logits aten.kl_div "
-        "aten.soft_margin_loss aten.multilabel_margin_loss aten.margin_ranking_loss "
-        "aten.hinge_embedding_loss aten.cosine_embedding_loss aten.poisson_nll_loss "
-        "aten.ctc_loss aten.multi_margin_loss aten.triplet_margin_loss",
-    ),
-    op_group(
-        "transcendental", DENY,
-        "|f(x)| can be far larger or smaller than |x|: the result leaves the 16-bit range",
-        "aten.exp aten.exp2 aten.expm1 aten.log aten.log10 aten.log1p aten.log2 aten.pow "
-        "aten.reciprocal aten.rsqrt aten.sinh aten.cosh aten.tan aten.acos aten.asin "
-        "aten.erfinv aten.softplus aten.xlogy aten.special_xlog1py aten.logit",
-    ),
-    op_group(
-        "reduction", DENY,
-        "large reduction: a 16-bit accumulator drops the small terms",
-        "aten.sum aten.mean aten.prod aten.cumsum aten.cumprod aten.norm "
-        "aten.linalg_vector_norm aten.linalg_norm aten.frobenius_norm aten.var aten.std "
-        "aten.var_mean aten.std_mean aten.logsumexp aten.logcumsumexp aten.nansum "
-        "aten.nanmean aten.dist aten.cdist aten._cdist_forward aten.pdist aten.renorm "
-        "aten.cosine_similarity",
-    ),
-    op_group(
-        "data", CLEAR,
-        "moves or selects data without arithmetic: follows its neighbours' precision",
-        "aten.view aten.reshape aten._unsafe_view aten.permute aten.transpose aten.t "
-        "aten.expand aten.expand_as aten.squeeze aten.unsqueeze aten.flatten aten.unflatten "
-        "aten.contiguous aten.clone aten.slice aten.select aten.narrow aten.split "
-        "aten.split_with_sizes aten.chunk aten.unbind aten.cat aten.concat aten.stack "
-        "aten.gather aten.index aten.index_select aten.embedding aten.pad "
-        "aten.constant_pad_nd aten.flip aten.roll aten.repeat aten.tile aten.detach "
-        "aten.alias aten.movedim aten.swapaxes aten.pixel_shuffle aten.pixel_unshuffle "
-        "aten.upsample_nearest1d aten.upsample_nearest2d aten.upsample_nearest3d "
-        "aten.zeros_like aten.ones_like aten.empty_like aten.full_like aten.new_zeros "
-        "aten.new_ones aten.new_empty aten.new_full aten.masked_fill aten.where "
-        "aten.relu aten.max_pool1d aten.max_pool2d aten.max_pool3d "
-        "aten.max_pool2d_with_indices aten.max_pool3d_with_indices aten.adaptive_max_pool1d "
-        "aten.adaptive_max_pool2d aten.adaptive_max_pool3d aten.maximum aten.minimum "
-        "aten.max aten.min aten.amax aten.amin aten.topk aten.sort aten.lift_fresh_copy "
-        "getitem",
-    ),
-)
 
 
 @dataclass(frozen=True)
@@ -190,7 +100,7 @@ class OpTable:
         except KeyError:
             pass
         found = None
-        for candidate in _key_candidates(key):
+        for candidate in key_candidates(key):
             if candidate in self._info:
                 found = self._info[candidate]
                 break
@@ -202,7 +112,15 @@ class OpTable:
         return self.lookup(key) or DEFAULT_INFO
 
 
-def _key_candidates(key: str) -> list[str]:
+def key_candidates(key: str) -> list[str]:
+    """The keys an op is looked up under, most specific first: itself, its packet
+    (``aten.softmax.int`` -> ``aten.softmax``), its out-of-place form (``aten.relu_`` ->
+    ``aten.relu``).
+
+    Example:
+        >>> key_candidates("aten.relu_.default")
+        ['aten.relu_.default', 'aten.relu_', 'aten.relu']
+    """
     out = [key]
     parts = key.split(".")
     if len(parts) >= 3:  # aten.softmax.int -> aten.softmax
@@ -211,9 +129,6 @@ def _key_candidates(key: str) -> list[str]:
     if base.endswith("_") and not base.endswith("__"):  # in-place: aten.relu_ -> aten.relu
         out.append(base[:-1])
     return out
-
-
-FX_TABLE = OpTable(FX_GROUPS)
 
 
 # What each level does with each class. "paint" means the grappler painting rules decide;
@@ -251,7 +166,7 @@ class Overrides:
     modules: tuple[tuple[str, str, str], ...] = ()
 
     def op_class(self, key: str) -> str | None:
-        for candidate in _key_candidates(key):
+        for candidate in key_candidates(key):
             if candidate in self.ops:
                 return self.ops[candidate]
         return None
@@ -314,7 +229,7 @@ class LevelPolicy:
 def make_policy(
     level: str,
     *,
-    table: OpTable = FX_TABLE,
+    table: OpTable,
     keep_norm_fp32: bool | None = None,
     allow_ops: Iterable[str] = (),
     deny_ops: Iterable[str] = (),
@@ -324,7 +239,8 @@ def make_policy(
 
     Args:
         level: "O0".."O3".
-        table: the dialect's op table.
+        table: the dialect's op table (``passes.fx.policy.make_policy`` and
+            ``passes.onnx.policy.make_policy`` pass their own).
         keep_norm_fp32: None takes the level's default.
         allow_ops / deny_ops: op keys forced to ALLOW / DENY.
         module_rules: (pattern, LOW|FP32, origin) module-path or ``class:Name`` rules.
@@ -332,6 +248,10 @@ def make_policy(
     Raises:
         ValueError: unknown level, an op both allowed and denied, or one module pattern
             given two precisions.
+
+    Example:
+        >>> make_policy("O2", table=ONNX_TABLE, deny_ops=["MatMul"]).op_info("MatMul").cls
+        'deny'
     """
     if level not in LEVEL_TABLE:
         raise ValueError(f"unknown amp_level {level!r}: choose one of O0, O1, O2, O3")
@@ -357,25 +277,3 @@ def make_policy(
     if keep_norm_fp32 is None:
         keep_norm_fp32 = KEEP_NORM_FP32_DEFAULT[level]
     return LevelPolicy(level, keep_norm_fp32, table, Overrides(ops, tuple(rules)))
-
-
-# Inputs an op must receive in their original dtype whatever the op's precision: running
-# statistics are updated in place (a cast copy would lose the update), and mixed-precision
-# batch norm kernels take fp32 affine parameters with low-precision activations.
-FX_FIXED_SLOTS: dict[str, tuple[int, ...]] = {
-    "aten.batch_norm": (1, 2, 3, 4),
-    "aten.native_batch_norm": (1, 2, 3, 4),
-    "aten._native_batch_norm_legit": (1, 2, 3, 4),
-    "aten._native_batch_norm_legit_functional": (1, 2, 3, 4),
-    "aten._native_batch_norm_legit_no_training": (1, 2, 3, 4),
-    "aten.cudnn_batch_norm": (1, 2, 3, 4),
-    "aten.instance_norm": (3, 4),
-}
-
-
-def fixed_slots(key: str, table: Mapping[str, tuple[int, ...]] = FX_FIXED_SLOTS) -> tuple:
-    """Argument positions of ``key`` that keep their original dtype."""
-    for candidate in _key_candidates(key):
-        if candidate in table:
-            return table[candidate]
-    return ()

@@ -1,15 +1,14 @@
 """``ampgraph inspect`` / ``convert`` on ONNX files: decisions, statistics, random inputs.
 
 The decisions are those of the ONNX pass (``passes.onnx.convert_model``, the function
-behind ``ampgraph.convert_onnx``). Sizes come from ONNX shape inference with the graph
-inputs fixed to ``--input-shape`` (symbolic dimensions default to 1), so FLOPs and bytes
-are for one run at those shapes. Methods match ``ampgraph.cli.analysis`` (docs/cli.md).
+behind ``ampgraph.convert_onnx``); the statistics are ``passes.onnx.costs``'s with the
+graph inputs fixed to ``--input-shape`` (symbolic dimensions default to 1), rendered as
+the PyTorch target's are (``ampgraph.cli.analysis``; methods in docs/cli.md).
 """
 
 from __future__ import annotations
 
 import ast
-import math
 from typing import Any
 
 import numpy as np
@@ -20,6 +19,7 @@ from ampgraph.cli.analysis import GraphView, ViewNode, summary_numbers
 from ampgraph.cli.target import CliError, one_line
 from passes.onnx import convert_model
 from passes.onnx import io as pio
+from passes.onnx.costs import model_costs
 from passes.onnx.subgraphs import all_graphs
 
 _LOW = {TensorProto.FLOAT16: "fp16", TensorProto.BFLOAT16: "bf16"}
@@ -40,13 +40,6 @@ def convert(model: ModelProto, level: str, dtype: str, **kw: Any) -> Any:
         return convert_model(model, level, dtype, **kw)
     except ValueError as exc:
         raise CliError(one_line(exc)) from exc
-
-
-def _itemsize(elem_type: int) -> int:
-    try:
-        return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem_type)).itemsize
-    except Exception:  # unknown or exotic element types
-        return 4
 
 
 def graph_inputs(model: ModelProto) -> list[onnx.ValueInfoProto]:
@@ -88,115 +81,15 @@ def random_feeds(model: ModelProto, shapes: list[tuple[int, ...]],
     return feeds
 
 
-def _infer(model: ModelProto, fixed: dict[str, tuple]) -> dict[str, tuple[int, tuple]]:
-    """value name -> (elem type, concrete shape) by shape inference on a weight-free copy."""
-    skeleton = ModelProto()
-    skeleton.CopyFrom(model)
-    for g in all_graphs(skeleton.graph):
-        for t in g.initializer:  # shape inference needs dims, not weights
-            if t.HasField("raw_data") and len(t.raw_data) > 4096:
-                t.ClearField("raw_data")
-                t.data_location = TensorProto.EXTERNAL
-                entry = t.external_data.add()
-                entry.key, entry.value = "location", "__ampgraph_cli_detached__"
-    for vi in skeleton.graph.input:
-        if vi.name in fixed:
-            shape = vi.type.tensor_type.shape
-            shape.ClearField("dim")
-            for d in fixed[vi.name]:
-                shape.dim.add().dim_value = d
-    try:
-        inferred = onnx.shape_inference.infer_shapes(skeleton, data_prop=True)
-    except Exception:  # best effort: declared shapes only
-        inferred = skeleton
-    out: dict[str, tuple[int, tuple]] = {}
-    for g in all_graphs(inferred.graph):
-        for vi in (*g.input, *g.value_info, *g.output):
-            tt = vi.type.tensor_type
-            dims = tuple(d.dim_value for d in tt.shape.dim)
-            if tt.elem_type and tt.HasField("shape") and all(dims):
-                out[vi.name] = (tt.elem_type, dims)
-        for t in g.initializer:
-            out[t.name] = (t.data_type, tuple(t.dims))
-    return out
-
-
-def _node_flops(node: onnx.NodeProto, shapes: dict[str, tuple[int, tuple]]) -> int:
-    def dims(i: int) -> tuple | None:
-        v = shapes.get(node.input[i]) if len(node.input) > i else None
-        return v[1] if v else None
-
-    out = shapes.get(node.output[0]) if node.output else None
-    if node.domain not in ("", "ai.onnx") or out is None:
-        return 0
-    if node.op_type == "MatMul" and dims(0):
-        return 2 * math.prod(out[1]) * dims(0)[-1]
-    if node.op_type == "Gemm" and dims(0):
-        trans = any(a.name == "transA" and a.i for a in node.attribute)
-        return 2 * math.prod(out[1]) * dims(0)[0 if trans else 1]
-    if node.op_type == "Conv" and dims(1):
-        return 2 * math.prod(out[1]) * math.prod(dims(1)[1:])
-    if node.op_type == "ConvTranspose" and dims(0) and dims(1):
-        return 2 * math.prod(dims(0)) * math.prod(dims(1)[1:])
-    return 0
-
-
-def _live_peak(model: ModelProto, shapes: dict[str, tuple[int, tuple]]) -> int:
-    """Peak bytes of live values running the main graph in order, each freed after its last
-    use (graph inputs included, initializers excluded)."""
-    g = model.graph
-    inits = {t.name for t in g.initializer}
-
-    def size(name: str) -> int:
-        v = shapes.get(name)
-        return math.prod(v[1]) * _itemsize(v[0]) if v else 0
-
-    last: dict[str, int] = {}
-    for i, node in enumerate(g.node):
-        for name in node.input:
-            last[name] = i
-    for vi in g.output:
-        last[vi.name] = len(g.node)
-    live = sum(size(vi.name) for vi in g.input if vi.name not in inits)
-    peak = live
-    for i, node in enumerate(g.node):
-        live += sum(size(o) for o in node.output if o)
-        peak = max(peak, live)
-        done = {n for n in (*node.input, *node.output) if n and n not in inits
-                and last.get(n, i) <= i}
-        live -= sum(size(n) for n in done)
-    return peak
-
-
 def onnx_stats(original: ModelProto, result: Any, fixed: dict[str, tuple]) -> dict[str, Any]:
-    """FLOPs, initializer bytes and activation bytes of the original and converted model."""
-    before, after = _infer(original, fixed), _infer(result.model, fixed)
-    flops = low_flops = act = act_fp32 = 0
-    for g in all_graphs(result.model.graph):
-        for node in g.node:
-            f = _node_flops(node, after)
-            flops += f
-            d = result.assignment.get(node.name)
-            if d is not None and d.precision == "low":
-                low_flops += f
-            act += sum(math.prod(after[o][1]) * _itemsize(after[o][0])
-                       for o in node.output if o in after)
-    for g in all_graphs(original.graph):
-        for node in g.node:
-            act_fp32 += sum(math.prod(before[o][1]) * _itemsize(before[o][0])
-                            for o in node.output if o in before)
-    peak, peak_fp32 = _live_peak(result.model, after), _live_peak(original, before)
-    fp32 = low = baseline = 0
-    for g in all_graphs(result.model.graph):
-        for t in g.initializer:
-            size = math.prod(t.dims) * _itemsize(t.data_type)
-            fp32 += size if t.data_type == TensorProto.FLOAT else 0
-            low += size if t.data_type in _LOW else 0
-    for g in all_graphs(original.graph):
-        baseline += sum(math.prod(t.dims) * 4 for t in g.initializer
-                        if t.data_type == TensorProto.FLOAT)
-    return summary_numbers(flops, low_flops, fp32, low, baseline, act, act_fp32, peak,
-                           peak_fp32)
+    """The summary numbers of a converted model against its original
+    (``passes.onnx.costs``).
+
+    Example:
+        >>> onnx_stats(model, convert(model, "O2", "fp16"), {"x": (4, 16)})["low_flops_share"]
+        1.0
+    """
+    return summary_numbers(model_costs(original, result, fixed))
 
 
 def _module(node: onnx.NodeProto | None) -> str:

@@ -15,7 +15,8 @@ from torch import fx
 from passes.fx._torch_internals import OpOverload, op_schema
 from passes.fx.dtypes import dtype_of
 from passes.fx.nodes import FLOATS, explicit_cast_dtype, is_cast_key, op_key, tensors
-from passes.policy import FP32, LOW, fixed_slots
+from passes.fx.policy import fixed_slots
+from passes.policy import FP32, LOW
 
 KEEP = "keep"  # an input taken as it is
 

@@ -1,9 +1,10 @@
 """The ONNX dialect of the mixed-precision pass.
 
-``convert_model`` runs the pipeline on an in-memory ModelProto: index the model and its
-subgraphs (``graph``), paint with the shared painter and the ONNX op table (``policy``),
-keep consumers of out-of-range constants in FP32 (``initializers``), insert shared Casts,
-convert initializers and retarget Casts (``casts``), and verify (``verify``).
+``convert_model`` runs the pipeline on an in-memory ModelProto, as named passes
+(``convert``): index the model and its subgraphs (``graph``), paint with the shared painter
+and the ONNX op table (``policy``), keep consumers of out-of-range constants in FP32
+(``initializers``), insert shared Casts, convert initializers and retarget Casts
+(``casts``), and verify (``verify``). ``costs`` measures a converted model.
 """
 
 from __future__ import annotations

@@ -227,13 +227,14 @@ def _cast_to(node: NodeProto) -> int:
     return next((a.i for a in node.attribute if a.name == "to"), 0)
 
 
-def cast_rounds(src: int, dst: int) -> bool:
-    """Whether a float->float Cast from ONNX type ``src`` to ``dst`` loses precision
-    (fp32->fp16, fp16<->bf16, fp64->fp32).
+def rounds(src: int, dst: int) -> bool:
+    """Whether a float->float Cast from ``src`` to ``dst`` loses precision (fp32->fp16,
+    fp16<->bf16, fp64->fp32); False for widening casts and non-float types.
 
     Example:
-        >>> cast_rounds(TensorProto.FLOAT, TensorProto.FLOAT16)
-        True
+        >>> F32, F16 = TensorProto.FLOAT, TensorProto.FLOAT16
+        >>> rounds(F32, F16), rounds(F16, F32)
+        (True, False)
     """
     if src not in _RANK or dst not in _RANK:
         return False
@@ -251,7 +252,7 @@ def _role(node: NodeProto, types: dict[str, int], is_local_function: bool) -> st
     if not out_float:
         return "nonfloat"
     if default_domain and node.op_type == "Cast":
-        if in_float and cast_rounds(types.get(node.input[0], 0), _cast_to(node)):
+        if in_float and rounds(types.get(node.input[0], 0), _cast_to(node)):
             return "control"  # a user's narrowing Cast rounds on purpose: kept as written
         return "alias" if in_float else "retarget"
     if default_domain and node.op_type in ("Constant", "ConstantOfShape"):
@@ -354,6 +355,7 @@ __all__ = [
     "build_dataflow",
     "infer_types",
     "module_key",
+    "rounds",
     "skeleton",
     "subgraphs",
 ]

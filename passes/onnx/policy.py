@@ -3,7 +3,8 @@
 Keys are plain ONNX op types (``MatMul``, ``Softmax``); contrib ops of other domains
 (``com.microsoft`` ``Attention``, ``FusedMatMul`` ...) use their op type too. The
 classes and the NORM group follow ``passes.policy`` so that the same level table and
-``keep_norm_fp32`` switch apply as in the FX pass. Ops not listed are INFER.
+``keep_norm_fp32`` switch apply as in the FX pass (``passes.fx.policy``). Ops not listed
+are INFER; :func:`make_policy` builds a policy over this table.
 
 Besides the classes, this module lists the input slots that must stay FP32 whatever
 the node's precision (Resize scales, Range bounds, GroupNorm gamma/beta ...), the
@@ -12,10 +13,13 @@ selection ops for which clamping an out-of-range constant is exact, and the dtyp
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
 from onnx import TensorProto
 
-from passes.policy import ALLOW, CLEAR, DENY, NORM, OpGroup, OpTable, op_group
+from passes.policy import ALLOW, CLEAR, DENY, NORM, LevelPolicy, OpGroup, OpTable, op_group
+from passes.policy import make_policy as make_dialect_policy
 
 ONNX_GROUPS: tuple[OpGroup, ...] = (
     op_group(
@@ -84,6 +88,25 @@ ONNX_GROUPS: tuple[OpGroup, ...] = (
 )
 
 ONNX_TABLE = OpTable(ONNX_GROUPS)
+
+
+def make_policy(
+    level: str,
+    *,
+    keep_norm_fp32: bool | None = None,
+    deny_ops: Iterable[str] = (),
+    module_rules: Iterable[tuple[str, str, str]] = (),
+) -> LevelPolicy:
+    """The policy of one conversion over :data:`ONNX_TABLE`: ``passes.policy.make_policy``
+    with the ONNX op table (arguments and errors as there; the ONNX pass forces ops to
+    FP32 only).
+
+    Example:
+        >>> make_policy("O2", deny_ops=["MatMul"]).op_info("MatMul").cls
+        'deny'
+    """
+    return make_dialect_policy(level, table=ONNX_TABLE, keep_norm_fp32=keep_norm_fp32,
+                               deny_ops=deny_ops, module_rules=module_rules)
 
 # Input slots that stay FP32 whatever the node's precision. A node whose FP32 slot shares
 # a type parameter with its data input (Range, ONNX GroupNormalization) therefore runs in
@@ -163,4 +186,5 @@ __all__ = [
     "ONNX_TABLE",
     "SATURATING",
     "dtype_limits",
+    "make_policy",
 ]

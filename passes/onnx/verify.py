@@ -20,7 +20,7 @@ from onnx import ModelProto, TensorProto
 
 from passes._infra import PassError
 from passes.onnx.casts import INSERTED
-from passes.onnx.graph import cast_rounds, infer_types
+from passes.onnx.graph import infer_types, rounds
 from passes.onnx.policy import FLOAT_TYPES
 from passes.onnx.skeleton import check_structure
 from passes.onnx.subgraphs import all_graphs
@@ -72,7 +72,7 @@ def verify_model(
                     and types.get(src) in FLOAT_TYPES and prev is not None
                     and prev.op_type == "Cast" and types.get(prev.input[0]) in FLOAT_TYPES
                     and types.get(prev.input[0]) == to
-                    and not cast_rounds(types.get(prev.input[0], 0), types.get(src, 0))):
+                    and not rounds(types.get(prev.input[0], 0), types.get(src, 0))):
                 # only low -> fp32 -> low is a waste; after a narrowing (user) Cast the
                 # chain rounds on purpose
                 raise PassError("verify", node.name, f"Cast->Cast round trip through {src!r} "

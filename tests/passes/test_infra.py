@@ -13,6 +13,7 @@ from torch import fx
 from passes._infra import (
     ConstantRangeWarning,
     PassError,
+    PassInputError,
     PassManager,
     PassResult,
     current_node,
@@ -226,3 +227,25 @@ def test_visiting_items_without_a_name_fall_back_to_the_node_local():
     with pytest.raises(PassError) as info:
         PassManager([pairs]).run(small_graph())
     assert info.value.node == "neg"
+
+
+def test_input_errors_turn_a_value_error_into_a_pass_input_error():
+    def bad_model(gm):
+        for node in gm.graph.nodes:
+            if node.name == "neg":
+                raise ValueError("value 'neg' is defined twice")
+        return PassResult(gm, False)
+
+    with pytest.raises(PassInputError) as info:
+        PassManager([bad_model], input_errors=True).run(small_graph())
+    err = info.value
+    assert isinstance(err, ValueError) and isinstance(err, PassError)
+    assert str(err) == "[bad_model] at node 'neg': value 'neg' is defined twice"
+    assert isinstance(err.__cause__, ValueError)
+    with pytest.raises(PassError) as plain:  # by default a ValueError is a pass's bug
+        PassManager([bad_model]).run(small_graph())
+    assert not isinstance(plain.value, ValueError)
+    assert str(plain.value) == "[bad_model] at node 'neg': ValueError: value 'neg' is defined twice"
+    with pytest.raises(PassError) as other:  # other errors stay bugs
+        PassManager([lookup_by_op], input_errors=True).run(small_graph())
+    assert not isinstance(other.value, ValueError)

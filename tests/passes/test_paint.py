@@ -5,8 +5,9 @@ from __future__ import annotations
 import networkx as nx
 import pytest
 
+from passes.fx.policy import make_policy
 from passes.paint import paint
-from passes.policy import FP32, LOW, NA, make_policy
+from passes.policy import FP32, LOW, NA
 
 
 def chain(*ops, sources=("x",)):
@@ -160,7 +161,7 @@ def test_o1_reasons_do_not_depend_on_the_hash_seed():
     code = (
         "import networkx as nx\n"
         "from passes.paint import paint\n"
-        "from passes.policy import make_policy\n"
+        "from passes.fx.policy import make_policy\n"
         "g = nx.DiGraph()\n"
         "for m in range(10):\n"
         "    x, r1, r2, r3, mc, mb = (f'{m}{n}' for n in ('x', 'r1', 'r2', 'r3', 'mc', 'mb'))\n"

@@ -1,38 +1,24 @@
-"""Policy tables are data; lookups, level tables and override validation."""
+"""passes/policy.py: op tables, level tables and override validation (with the FX table)."""
 
 from __future__ import annotations
 
 import pytest
 
+from passes.fx.policy import make_policy
 from passes.policy import (
     ALLOW,
     CLEAR,
     DENY,
     FP32,
-    FX_GROUPS,
-    FX_TABLE,
     INFER,
     LOW,
     OpGroup,
+    OpInfo,
     OpTable,
-    fixed_slots,
-    make_policy,
+    key_candidates,
+    op_group,
 )
-
-
-@pytest.mark.parametrize("key, cls", [
-    ("aten.linear", ALLOW), ("aten.conv2d.default", ALLOW), ("aten.softmax.int", DENY),
-    ("aten.layer_norm", DENY), ("aten.view.default", CLEAR), ("aten.relu_", CLEAR),
-    ("aten.gelu", INFER), ("aten.some_new_op", INFER), ("aten.sum.dim_IntList", DENY),
-    ("aten.scaled_dot_product_attention", ALLOW), ("getitem", CLEAR),
-])
-def test_lookup(key, cls):
-    assert FX_TABLE.info(key).cls == cls
-
-
-def test_every_group_has_a_reason_and_a_known_class():
-    for g in FX_GROUPS:
-        assert g.reason and g.cls in (ALLOW, INFER, DENY, CLEAR) and g.ops
+from passes.policy import make_policy as make_dialect_policy
 
 
 def test_an_op_in_two_groups_is_rejected():
@@ -75,6 +61,18 @@ def test_module_rules_most_specific_wins():
     assert q.overrides.module_precision("x", ("torch.nn.modules.normalization.LayerNorm",))
 
 
-def test_batch_norm_statistics_are_fixed_slots():
-    assert fixed_slots("aten.batch_norm.default") == (1, 2, 3, 4)
-    assert fixed_slots("aten.linear") == ()
+def test_a_policy_takes_the_dialect_table_it_is_given():
+    table = OpTable([OpGroup("mine", DENY, "because", frozenset({"Foo"}))])
+    p = make_dialect_policy("O2", table=table)
+    assert p.table is table and p.op_info("Foo") == OpInfo(DENY, "mine", "because")
+    assert p.op_info("aten.linear").cls == INFER  # not in this table: the default class
+    with pytest.raises(TypeError):
+        make_dialect_policy("O2")  # no dialect's table by default
+
+
+def test_key_candidates_most_specific_first():
+    assert key_candidates("aten.relu_.default") == ["aten.relu_.default", "aten.relu_", "aten.relu"]
+    assert key_candidates("aten.softmax.int") == ["aten.softmax.int", "aten.softmax"]
+    assert key_candidates("aten.__and__.Tensor") == ["aten.__and__.Tensor", "aten.__and__"]
+    assert key_candidates("Softmax") == ["Softmax"]
+    assert op_group("g", CLEAR, "r", " a  b ").ops == frozenset({"a", "b"})

@@ -33,7 +33,8 @@ import ampgraph
 from passes.fx import run_amp_passes, verify
 from passes.fx.dtypes import dtype_of, is_amp_cast
 from passes.fx.nodes import FLOATS, op_key
-from passes.policy import ALLOW, DENY, FP32, LOW, NA, LevelPolicy, fixed_slots, make_policy
+from passes.fx.policy import fixed_slots, make_policy
+from passes.policy import ALLOW, DENY, FP32, LOW, NA, LevelPolicy
 from tests.reliability.strategies import FuzzNet, Program, example_inputs
 
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}

@@ -23,7 +23,7 @@ from torch import nn
 
 import ampgraph
 from passes.fx import run_amp_passes
-from passes.policy import make_policy
+from passes.fx.policy import make_policy
 from tests.reliability.fx_checks import KnownBug, check_fx_program, check_fx_training
 from tests.reliability.strategies import DTYPES, LEVELS, fx_programs
 

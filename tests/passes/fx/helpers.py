@@ -11,7 +11,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from passes.fx import run_amp_passes, verify
 from passes.fx.dtypes import is_amp_cast
 from passes.fx.fold.cast_count import count_casts
-from passes.policy import make_policy
+from passes.fx.policy import make_policy
 from tests.helpers import cosine, first_tensor
 
 

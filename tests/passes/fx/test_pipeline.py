@@ -12,8 +12,8 @@ from torch import nn
 import passes.fx.pipeline as pipeline
 from passes import PassError, PassResult
 from passes.fx.pipeline import gc_paused, run_amp_passes
+from passes.fx.policy import make_policy
 from passes.fx.runtime_ops import RuntimeOps
-from passes.policy import make_policy
 from tests.helpers import make
 from tests.passes.fx.helpers import TwoConsumers, check_pass, export
 

@@ -10,9 +10,9 @@ from passes.fx.dataflow import build_dataflow
 from passes.fx.dtypes import dtype_of
 from passes.fx.insert_casts import annotate, insert_casts
 from passes.fx.nodes import op_key
+from passes.fx.policy import make_policy
 from passes.fx.prepare import prepare
 from passes.paint import paint
-from passes.policy import make_policy
 from tests.helpers import make
 from tests.passes.fx.helpers import blocks, dtype_blocks, export, meta_of, one_dtype_blocks
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from passes.fx.pipeline import PipelineState, amp_passes
+from passes.fx.policy import make_policy
 from passes.fx.runtime_ops import ATEN_ONLY, RuntimeOps
-from passes.policy import make_policy
 
 
 def fn(*args, **kwargs):

@@ -9,9 +9,9 @@ from passes import PassError
 from passes.fx import run_amp_passes, verify
 from passes.fx.dataflow import build_dataflow
 from passes.fx.insert_casts import annotate, insert_casts
+from passes.fx.policy import make_policy
 from passes.fx.prepare import prepare
 from passes.paint import paint
-from passes.policy import make_policy
 from tests.passes.fx.helpers import TwoConsumers, blocks, export
 
 

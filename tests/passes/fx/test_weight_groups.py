@@ -11,9 +11,9 @@ from torch import fx, nn
 
 from passes.fx.dtypes import is_amp_cast
 from passes.fx.pipeline import run_amp_passes
+from passes.fx.policy import make_policy
 from passes.fx.runtime_ops import RuntimeOps
 from passes.fx.weight_groups import group_weight_casts
-from passes.policy import make_policy
 
 GROUPS: list[tuple] = []
 

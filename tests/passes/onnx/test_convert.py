@@ -1,4 +1,4 @@
-"""Levels, overrides, policy table, verification and painted regions of the ONNX pass."""
+"""Levels, overrides and node naming of the ONNX pass; its passes, named in failures."""
 
 from __future__ import annotations
 
@@ -10,37 +10,14 @@ import numpy as np
 import pytest
 from onnx import helper
 
-from passes._infra import PassError
-from passes.onnx import ONNX_TABLE, convert_model, low_regions, verify_model
-from passes.onnx.regions import bisect_regions
-from passes.policy import ALLOW, CLEAR, DENY, NORM, make_policy
-from tests.passes.onnx.util import F16, F32, casts, check, init, make, rand, reads, vi
+import passes.onnx.convert as pconvert
+from passes._infra import PassError, PassInputError
+from passes.onnx import convert_model
+from passes.onnx.convert import ConvertState, onnx_passes
+from tests.passes.onnx.util import F16, F32, casts, check, init, make, mlp, rand, reads, vi
 
 FEEDS = {"x": rand(2, 8, scale=1.0)}
 ROOT = Path(__file__).resolve().parents[3]
-
-
-def mlp(names=("mm1", "add1", "relu", "mm2", "ln", "softmax")):
-    nodes = [
-        helper.make_node("MatMul", ["x", "W1"], ["a"], name=names[0]),
-        helper.make_node("Add", ["a", "b1"], ["h"], name=names[1]),
-        helper.make_node("Relu", ["h"], ["r"], name=names[2]),
-        helper.make_node("MatMul", ["r", "W2"], ["m"], name=names[3]),
-        helper.make_node("LayerNormalization", ["m", "g", "b"], ["n"], name=names[4]),
-        helper.make_node("Softmax", ["n"], ["y"], name=names[5], axis=-1),
-    ]
-    inits = [init("W1", rand(8, 8)), init("b1", rand(8)), init("W2", rand(8, 8)),
-             init("g", np.ones(8)), init("b", np.zeros(8))]
-    return make(nodes, [vi("x", F32, [2, 8])], [vi("y", F32, [2, 8])], inits)
-
-
-def test_policy_table_shares_the_fx_vocabulary():
-    assert ONNX_TABLE.info("MatMul").cls == ALLOW and ONNX_TABLE.info("Conv").cls == ALLOW
-    assert ONNX_TABLE.info("LayerNormalization").group == NORM
-    assert ONNX_TABLE.info("Softmax").cls == DENY and ONNX_TABLE.info("Reshape").cls == CLEAR
-    assert ONNX_TABLE.info("Sqrt").group == "default"  # INFER
-    policy = make_policy("O3", table=ONNX_TABLE, keep_norm_fp32=True)
-    assert policy.op_info("BatchNormalization").cls == DENY
 
 
 def test_o0_changes_nothing():
@@ -96,53 +73,11 @@ def test_unnamed_nodes_get_names_and_input_is_not_modified():
     assert all(names) and len(set(names)) == len(names)
 
 
-def test_verify_rejects_round_trips_and_duplicate_casts():
-    from passes.onnx.casts import INSERTED
-
-    chain = make([
-        helper.make_node("Cast", ["x"], ["a"], name="c1", to=F32, doc_string=INSERTED),
-        helper.make_node("Cast", ["a"], ["y"], name="c2", to=F16, doc_string=INSERTED),
-    ], [vi("x", F16, [2])], [vi("y", F16, [2])])
-    with pytest.raises(PassError, match="round trip"):  # fp16 -> fp32 -> fp16: a waste
-        verify_model(chain)
-    rounding = make([  # fp32 -> fp16 -> fp32 changes values: a user's rounding is kept
-        helper.make_node("Cast", ["x"], ["a"], name="c1", to=F16),
-        helper.make_node("Cast", ["a"], ["y"], name="c2", to=F32),
-    ], [vi("x", F32, [2])], [vi("y", F32, [2])])
-    verify_model(rounding)
-    dup = make([
-        helper.make_node("Cast", ["x"], ["a"], name="c1", to=F16, doc_string=INSERTED),
-        helper.make_node("Cast", ["x"], ["b"], name="c2", to=F16, doc_string=INSERTED),
-        helper.make_node("Add", ["a", "b"], ["y"], name="add"),
-    ], [vi("x", F32, [2])], [vi("y", F16, [2])])
-    with pytest.raises(PassError, match="shared"):
-        verify_model(dup)
-    with pytest.raises(PassError, match="keep_io_types"):
-        verify_model(convert_model(mlp(), "O2").model, io_types={"y": F16})
-
-
 def test_unknown_dtype_and_level_raise():
     with pytest.raises(ValueError, match="fp16"):
         convert_model(mlp(), "O2", "int8")
     with pytest.raises(ValueError, match="amp_level"):
         convert_model(mlp(), "O4")
-
-
-def test_regions_are_components_of_low_nodes():
-    result = convert_model(mlp(), "O2")
-    assert low_regions(result.dataflow, result.assignment) == [["mm1", "add1", "relu", "mm2"]]
-    o3 = convert_model(mlp(), "O3", op_block_list=["Relu"])
-    assert low_regions(o3.dataflow, o3.assignment) == [["mm1", "add1"], ["mm2", "ln", "softmax"]]
-
-
-def test_bisect_finds_the_needed_regions():
-    def error(kept):
-        return 0.0 if {2, 5} <= kept else 1.0
-
-    assert bisect_regions(8, error, 0.1) == {2, 5}
-    assert bisect_regions(3, lambda kept: 0.0, 0.1) == frozenset()
-    with pytest.raises(ValueError, match="cannot be met"):
-        bisect_regions(3, lambda kept: 1.0, 0.1)
 
 
 def test_passes_onnx_never_imports_ampgraph():
@@ -181,3 +116,63 @@ def test_o2_keeps_an_infer_op_between_fp32_ops_fp32_unless_returned():
     assert "between fp32 ops" in result.assignment["add"].reason
     assert len(casts(result.model)) == 2  # x and mm's output; none around add
     assert check(model(True), "O2", feeds=FEEDS).precision("add") == "low"
+
+
+def test_the_passes_in_order():
+    def names(level):
+        return [p.__name__ for p in onnx_passes(level, F16, ConvertState())]
+
+    assert names("O2") == ["index_model", "build_dataflow", "mark_low_blockers", "fit_ranges",
+                           "insert_casts", "attach_data", "verify"]
+    assert names("O0") == ["index_model", "build_dataflow", "mark_low_blockers", "paint",
+                           "attach_data"]
+    unchecked = onnx_passes("O3", F16, ConvertState(), check=False)
+    assert [p.__name__ for p in unchecked][-1] == "attach_data"
+
+
+def test_a_failing_pass_is_named_with_the_node_it_was_working_on(monkeypatch):
+    def broken(node, opset, types, low):
+        if node.name == "mm2":
+            raise KeyError("no schema")
+        return None
+
+    monkeypatch.setattr(pconvert, "low_blocker", broken)
+    with pytest.raises(PassError) as info:
+        convert_model(mlp(), "O2")
+    err = info.value
+    assert (err.pass_name, err.node) == ("mark_low_blockers", "mm2")
+    assert str(err) == "[mark_low_blockers] at node 'mm2': KeyError: 'no schema'"
+    assert isinstance(err.__cause__, KeyError) and not isinstance(err, ValueError)
+
+
+def test_a_pass_failing_inside_the_range_rounds_is_named_not_its_round(monkeypatch):
+    def broken(*args):
+        raise RuntimeError("bounds unreadable")
+
+    monkeypatch.setattr(pconvert, "unsafe_range_consumers", broken)
+    with pytest.raises(PassError) as info:
+        convert_model(mlp(), "O1")
+    assert (info.value.pass_name, info.value.node) == ("keep_ranges_fp32", None)
+    assert str(info.value) == "[keep_ranges_fp32]: RuntimeError: bounds unreadable"
+
+
+def test_a_verify_failure_keeps_the_node_verify_names(monkeypatch):
+    monkeypatch.setattr(pconvert, "_expected", lambda requests: {"relu": {0: F32}})
+    with pytest.raises(PassError) as info:
+        convert_model(mlp(), "O2")
+    assert (info.value.pass_name, info.value.node) == ("verify", "relu")
+    assert "the precision plan asked for FLOAT" in str(info.value)
+    assert convert_model(mlp(), "O2", check=False).precision("relu") == "low"
+
+
+def test_a_model_a_pass_cannot_take_is_a_value_error_naming_the_pass_and_node():
+    nodes = [helper.make_node("Relu", ["x"], ["h"], name="first"),
+             helper.make_node("Neg", ["x"], ["h"], name="second")]  # "h" defined twice
+    graph = helper.make_graph(nodes, "g", [vi("x", F32, [2])], [vi("h", F32, [2])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    with pytest.raises(ValueError) as info:
+        convert_model(model, "O2")
+    err = info.value
+    assert isinstance(err, PassInputError)
+    assert (err.pass_name, err.node) == ("index_model", "second")
+    assert str(err).startswith("[index_model] at node 'second': value 'h' is defined twice")

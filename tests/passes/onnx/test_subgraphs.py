@@ -1,4 +1,5 @@
-"""If/Loop/Scan bodies are painted with the outer graph and read outer values consistently."""
+"""passes.onnx.subgraphs: If/Loop/Scan bodies are painted with the outer graph and read outer
+values consistently; walking and renaming across graphs."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper
 
-from passes.onnx.subgraphs import all_graphs
+from passes.onnx.subgraphs import all_graphs, rename_values
 from tests.passes.onnx.util import F16, F32, casts, check, init, make, rand, reads, run, vi
 
 INT64, BOOL = TensorProto.INT64, TensorProto.BOOL
@@ -98,3 +99,22 @@ def test_scan_body_is_converted():
     got, want = run(result.model, feeds), run(model, feeds)
     assert all(g.dtype == np.float32 for g in got) and np.allclose(got[1], want[1], atol=2e-2)
 
+
+
+def test_all_graphs_walks_outer_graphs_first():
+    assert [g.name for g in all_graphs(if_model().graph)] == ["g", "else", "then"]
+
+
+def test_rename_values_renames_everywhere_but_the_graph_outputs():
+    model = if_model()
+    model.graph.value_info.append(vi("m0", F32, [2, 8]))
+    rename_values(model, {"m0": "m0_new", "W1": "W1_new"})
+    main, other, then = all_graphs(model.graph)
+    assert main.node[0].output[0] == "m0_new" and main.node[2].input[1] == "m0_new"
+    assert other.node[0].input[0] == "m0_new"  # a subgraph reading the outer value
+    assert then.node[0].input[1] == "W1_new" and main.initializer[1].name == "W1_new"
+    assert main.value_info[0].name == "m0_new"
+    assert [o.name for o in main.output] == ["y"]
+    before = model.SerializeToString()
+    rename_values(model, {})
+    assert model.SerializeToString() == before

@@ -108,3 +108,18 @@ def check(
             scale = max(float(np.abs(want).max()), 1e-6)
             assert float(np.abs(got - want).max()) <= rtol * scale, (got, want)
     return result
+
+
+def mlp(names=("mm1", "add1", "relu", "mm2", "ln", "softmax")) -> ModelProto:
+    """MatMul, Add, Relu, MatMul, LayerNormalization, Softmax on a (2, 8) input."""
+    nodes = [
+        helper.make_node("MatMul", ["x", "W1"], ["a"], name=names[0]),
+        helper.make_node("Add", ["a", "b1"], ["h"], name=names[1]),
+        helper.make_node("Relu", ["h"], ["r"], name=names[2]),
+        helper.make_node("MatMul", ["r", "W2"], ["m"], name=names[3]),
+        helper.make_node("LayerNormalization", ["m", "g", "b"], ["n"], name=names[4]),
+        helper.make_node("Softmax", ["n"], ["y"], name=names[5], axis=-1),
+    ]
+    inits = [init("W1", rand(8, 8)), init("b1", rand(8)), init("W2", rand(8, 8)),
+             init("g", np.ones(8)), init("b", np.zeros(8))]
+    return make(nodes, [vi("x", F32, [2, 8])], [vi("y", F32, [2, 8])], inits)

@@ -14,8 +14,8 @@ import ampgraph.runtime.cpu.linear as linear
 import ampgraph.runtime.cpu.weights as weights
 from ampgraph.runtime.cpu.weights import WeightCache
 from passes.fx import run_amp_passes
+from passes.fx.policy import make_policy
 from passes.fx.runtime_ops import RuntimeOps
-from passes.policy import make_policy
 
 
 class Net(nn.Module):

@@ -10,11 +10,11 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import ampgraph
-from ampgraph.cli.analysis import node_flops
 from ampgraph.runtime.cpu import attention
 from ampgraph.runtime.cpu.attention import amp_attention, unfused_pays
 from ampgraph.runtime.cpu.dropout import keep_mask
 from models import bert_encoder
+from passes.fx.costs import node_flops
 from tests.helpers import record
 
 BF16 = torch.bfloat16

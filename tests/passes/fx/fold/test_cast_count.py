@@ -7,7 +7,7 @@ from torch import fx, nn
 
 from passes.fx.fold.cast_count import count_casts
 from passes.fx.pipeline import run_amp_passes
-from passes.policy import make_policy
+from passes.fx.policy import make_policy
 from tests.passes.fx.helpers import TwoConsumers, export
 
 CAST = torch.ops.aten._to_copy.default

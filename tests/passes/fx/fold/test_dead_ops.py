@@ -7,7 +7,7 @@ from torch import nn
 
 from passes.fx.fold.dead_ops import drop_dead_ops
 from passes.fx.pipeline import run_amp_passes
-from passes.policy import make_policy
+from passes.fx.policy import make_policy
 from tests.passes.fx.helpers import export
 
 

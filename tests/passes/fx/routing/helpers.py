@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from passes.fx.pipeline import run_amp_passes
+from passes.fx.policy import make_policy
 from passes.fx.runtime_ops import RuntimeOps
-from passes.policy import make_policy
 
 aten = torch.ops.aten
 

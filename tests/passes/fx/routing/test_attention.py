@@ -7,9 +7,10 @@ import torch
 from torch import nn
 
 from passes.fx.pipeline import run_amp_passes
+from passes.fx.policy import make_policy
 from passes.fx.routing.attention import route_attention
 from passes.fx.runtime_ops import RuntimeOps
-from passes.policy import FP32, make_policy
+from passes.policy import FP32
 from tests.passes.fx.routing.helpers import (
     ROUTES,
     Net,
