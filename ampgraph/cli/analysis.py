@@ -18,8 +18,6 @@ from passes.costs import GraphCosts
 from passes.fx.costs import graph_costs
 from passes.fx.dtypes import dtype_of
 
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-
 
 @dataclass
 class ViewNode:
