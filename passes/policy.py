@@ -146,9 +146,11 @@ LEVEL_REASON = {
     "O2": "O2: whole network low precision except deny ops",
     "O3": "O3: everything low precision",
 }
-# Groups whose precision holds at every level but O0: the user asked for it.
+# Groups whose precision holds at every level but O0: the user asked for it, or the ops
+# have no 16-bit kernels (complex numbers, FFTs: fp32 even at O3, as autocast keeps them).
 NORM_FP32 = "norm_fp32"
-FORCED_GROUPS = {"custom_allow": LOW, "custom_deny": FP32, NORM_FP32: FP32}
+FP32_ONLY = "fp32_only"
+FORCED_GROUPS = {"custom_allow": LOW, "custom_deny": FP32, NORM_FP32: FP32, FP32_ONLY: FP32}
 KEEP_NORM_FP32_DEFAULT = {"O0": True, "O1": True, "O2": True, "O3": False}
 
 

@@ -52,6 +52,10 @@ def _classify(node: fx.Node, floats: Any) -> tuple[str, str]:
     if has_fp64(meta.get("val")):
         return NONFLOAT, "fp64 is never changed"
     if not floats(node):
+        val = meta.get("val")
+        if (isinstance(val, torch.Tensor) and val.is_complex()
+                and any(floats(a) for a in node.all_input_nodes)):
+            return COMPUTE, ""  # float -> complex (view_as_complex, fft): its inputs' casts
         return NONFLOAT, "no floating-point output"
     dtype = explicit_cast_dtype(node)
     if dtype is not None:
@@ -113,6 +117,9 @@ def build_dataflow(gm: fx.GraphModule) -> nx.DiGraph:
             kind, reason = NONFLOAT, "fp64 is never changed"
         elif not is_fl:
             kind, reason = NONFLOAT, "no floating-point output"
+            if isinstance(val, torch.Tensor) and val.is_complex() and any(
+                    floats.get(a, False) for a in inputs):
+                kind, reason = COMPUTE, ""  # float -> complex: casts its float inputs
         else:
             cast = explicit_cast_dtype(node) if hit[2] else None
             if cast is not None:

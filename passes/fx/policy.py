@@ -17,6 +17,7 @@ from passes.policy import (
     ALLOW,
     CLEAR,
     DENY,
+    FP32_ONLY,
     NORM,
     LevelPolicy,
     OpGroup,
@@ -94,6 +95,16 @@ FX_GROUPS: tuple[OpGroup, ...] = (
         "aten.var_mean aten.std_mean aten.logsumexp aten.logcumsumexp aten.nansum "
         "aten.nanmean aten.dist aten.cdist aten._cdist_forward aten.pdist aten.renorm "
         "aten.cosine_similarity",
+    ),
+    op_group(
+        FP32_ONLY, DENY,
+        "complex numbers and FFTs: no bfloat16 kernels (complex32 and cuFFT's half only at "
+        "powers of two); fp32 at every level, as autocast keeps them",
+        "aten.view_as_complex aten.complex aten.polar aten.fft_fft aten.fft_ifft "
+        "aten.fft_fft2 aten.fft_ifft2 aten.fft_fftn aten.fft_ifftn aten.fft_rfft "
+        "aten.fft_irfft aten.fft_rfft2 aten.fft_irfft2 aten.fft_rfftn aten.fft_irfftn "
+        "aten.fft_hfft aten.fft_ihfft aten.fft_hfft2 aten.fft_ihfft2 aten.fft_hfftn "
+        "aten.fft_ihfftn aten._fft_r2c aten._fft_c2r aten._fft_c2c aten.stft aten.istft",
     ),
     op_group(
         "data", CLEAR,

@@ -18,7 +18,17 @@ from collections.abc import Iterable
 import numpy as np
 from onnx import TensorProto
 
-from passes.policy import ALLOW, CLEAR, DENY, NORM, LevelPolicy, OpGroup, OpTable, op_group
+from passes.policy import (
+    ALLOW,
+    CLEAR,
+    DENY,
+    FP32_ONLY,
+    NORM,
+    LevelPolicy,
+    OpGroup,
+    OpTable,
+    op_group,
+)
 from passes.policy import make_policy as make_dialect_policy
 
 ONNX_GROUPS: tuple[OpGroup, ...] = (
@@ -71,6 +81,12 @@ ONNX_GROUPS: tuple[OpGroup, ...] = (
         "large reduction: a 16-bit accumulator drops the small terms",
         "ReduceSum ReduceMean ReduceProd ReduceL1 ReduceL2 ReduceLogSum ReduceLogSumExp "
         "ReduceSumSquare CumSum",
+    ),
+    op_group(
+        FP32_ONLY, DENY,
+        "Fourier transforms: onnxruntime's DFT and STFT kernels take float and double only; "
+        "fp32 at every level",
+        "DFT STFT",
     ),
     op_group(
         "index", DENY,

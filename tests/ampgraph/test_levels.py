@@ -137,3 +137,93 @@ def test_o2_keeps_rmsnorms_eps_add_fp32_between_mean_and_rsqrt():
     net = ampgraph.compile(RMSNormNet(returns_variance=True), amp_level="O2", dtype="bf16")
     add = next(r for r in ampgraph.explain(net, x).nodes if r["name"] == "add")
     assert add["precision"] == "bf16"
+
+
+# -- ops with no 16-bit kernels, and matrix products written otherwise ---------------------
+
+
+class ComplexRotary(torch.nn.Module):
+    """Complex rotary embeddings as DeepSeek-V2 and Llama 4 write them: an explicit upcast
+    right before ``view_as_complex`` (which takes no bfloat16)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.q(x)
+        c = torch.view_as_complex(h.float().reshape(*h.shape[:-1], 4, 2))
+        c = c * torch.polar(torch.ones(4), torch.arange(4.0))
+        return torch.view_as_real(c).flatten(-2)
+
+
+class Fourier(torch.nn.Module):
+    """FNet's token mixing: two FFTs (no bfloat16 kernel) between linears."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.out = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.out(torch.fft.fft(torch.fft.fft(self.fc(x), dim=-1), dim=-2).real)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+@pytest.mark.parametrize("make_model", [ComplexRotary, Fourier])
+def test_complex_and_fft_ops_run_in_fp32_at_every_level(make_model, level):
+    torch.manual_seed(0)
+    model = make_model()
+    x = torch.randn(3, 5, 8)
+    net = ampgraph.compile(model, level, "bf16")
+    out = net(x)
+    out.square().mean().backward()
+    ref = model(x)
+    assert cosine(out.detach(), ref.detach()) >= 0.999
+    rows = [(r["op"], r["precision"]) for r in ampgraph.explain(net).nodes]
+    spectral = [p for op, p in rows if op in ("aten.view_as_complex", "aten.fft_fft")]
+    assert "fp32" in spectral and "bf16" not in spectral  # complex -> complex: n/a
+    assert ("aten.linear", "bf16") in rows
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+class Products(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Parameter(torch.randn(8, 8)), torch.nn.Parameter(
+            torch.randn(8, 8))
+
+    def forward(self, x):
+        return torch.linalg.multi_dot([x, self.a, self.b]), torch.linalg.vecdot(x, x @ self.a)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_multi_dot_and_vecdot_run_at_the_level_s_precision(level):
+    torch.manual_seed(0)
+    model = Products()
+    x = torch.randn(4, 8)
+    net = ampgraph.compile(model, level, "bf16")
+    with torch.no_grad():
+        (md, vd), rec = record(lambda: net(x))
+        ref_md, ref_vd = model(x)
+    rows = {r["op"]: r["precision"] for r in ampgraph.explain(net).nodes}
+    assert rows["aten.linalg_multi_dot"] == rows["aten.linalg_vecdot"] == "bf16"
+    assert rec.first_input_dtypes(MATMUL_OPS) <= set(LOW) and rec.inputs_of(MATMUL_OPS)
+    assert md.dtype == vd.dtype == torch.float32  # outputs come back fp32
+    assert cosine(md, ref_md) >= 0.999 and cosine(vd, ref_vd) >= 0.999
+
+
+def test_o1_train_mode_attention_with_dropout_runs_its_matmuls_in_16_bit():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.BertModel(transformers.BertConfig(
+        vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=64, attention_probs_dropout_prob=0.5)).train()
+    net = ampgraph.compile(model, "O1", "bf16")
+    ids = torch.randint(1, 100, (2, 128))  # enough scores for the runtime's own kernel
+    (out,), rec = record(lambda: (net(input_ids=ids).last_hidden_state,))
+    rows = [(r["op"], r["precision"]) for r in ampgraph.explain(net).nodes]
+    assert ("aten.scaled_dot_product_attention", "bf16") in rows
+    attention = [d for n, d in rec.inputs_of(MATMUL_OPS) if "attention" in n]
+    assert attention and all(set(d[:3]) <= set(LOW) for d in attention)  # with dropout
+    out.float().square().mean().backward()
+    assert torch.isfinite(model.encoder.layer[0].attention.self.query.weight.grad).all()

@@ -73,3 +73,19 @@ def test_vertices_carry_kind_reason_op_and_module_and_edges_are_float_only():
         "add_1", "to", "add", "mul"}
     assert ("x", "linear") in g.edges and ("ids", "add") not in g.edges, "float edges only"
     assert all(classify(n) == kinds[n.name] for n in gm.graph.nodes if n.name in kinds)
+
+
+def test_a_float_to_complex_op_is_computed_so_its_float_inputs_get_their_casts():
+    class Spectral(nn.Module):
+        def forward(self, x):
+            c = torch.fft.fft(x)  # float -> complex: painted, its input cast to fp32
+            return (c * c).real  # complex -> complex: no float data
+
+    gm = torch.export.export(Spectral(), (torch.randn(2, 8),), strict=False).module()
+    graph = build_dataflow(gm)
+    kinds = {n.name: (graph.nodes[n.name]["kind"], classify(n)[0])
+             for n in gm.graph.nodes if n.op == "call_function"}
+    fft = next(name for name in kinds if "fft" in name)
+    mul = next(name for name in kinds if "mul" in name)
+    assert kinds[fft] == (COMPUTE, COMPUTE)
+    assert kinds[mul] == (NONFLOAT, NONFLOAT)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from passes.fx.policy import FX_GROUPS, FX_TABLE, fixed_slots, make_policy
-from passes.policy import ALLOW, CLEAR, DENY, INFER
+from passes.policy import ALLOW, CLEAR, DENY, FP32, FP32_ONLY, INFER, LOW
 
 
 @pytest.mark.parametrize("key, cls", [
@@ -34,3 +34,13 @@ def test_make_policy_uses_the_fx_table():
     assert p.table is FX_TABLE and p.level == "O2"
     assert p.op_info("aten.softmax.int").cls == DENY and p.op_info("aten.gelu").cls == DENY
     assert p.op_info("Softmax").cls == INFER  # an ONNX key means nothing here
+
+
+@pytest.mark.parametrize("key", ["aten.view_as_complex.default", "aten.fft_fft.default",
+                                 "aten.fft_rfft", "aten._fft_r2c", "aten.stft"])
+def test_ops_with_no_16_bit_kernels_are_fp32_at_every_level_but_o0(key):
+    for level in ("O1", "O2", "O3"):
+        policy = make_policy(level)
+        info = policy.op_info(key)
+        assert (info.cls, info.group, policy.base(info)) == (DENY, FP32_ONLY, FP32)
+    assert make_policy("O3").base(make_policy("O3").op_info("aten.softmax.int")) == LOW
