@@ -82,8 +82,7 @@ def holds_leaves(value: Any) -> bool:
         return any(holds_leaves(v) for v in value)
     if kind in _MAPPINGS:
         return any(holds_leaves(v) for v in value.values())
-    return kind in pytree.SUPPORTED_NODES and kind not in pytree.BUILTIN_TYPES \
-        and kind is not type(None)
+    return kind in pytree.SUPPORTED_NODES  # a cache layer, a ModelOutput
 
 
 def flatten_object(obj: Any) -> tuple[list[Any], ObjectContext]:
@@ -152,7 +151,7 @@ def freeze(value: Any, owner: Any = None, name: str = "") -> Any:
             _where(owner, name) + "is a method bound to the object itself: a rebuilt object "
             "would still call it on the old one (set it on the class instead)")
     inner = getattr(value, "__dict__", None)
-    if inner and any(holds_leaves(v) or isinstance(v, torch.Tensor) for v in inner.values()):
+    if inner and any(holds_leaves(v) for v in inner.values()):
         raise UnrebuildableObject(
             _where(owner, name) + f"is a {kind.__qualname__} holding tensors, which is not a "
             f"pytree node: register {kind.__qualname__} with torch.utils._pytree")

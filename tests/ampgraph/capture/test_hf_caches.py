@@ -282,3 +282,23 @@ def test_decoding_from_a_hybrid_cache_updates_it_in_place_with_one_graph():
         _assert_same_cache(cache, ref_cache)
     assert [e.path for e in ampgraph.explain(net).eager] == []
     assert sum(len(g) for g in net._amp_graphs.values()) == 2  # prefill + one decode graph
+
+
+def test_static_cache_passed_in_is_filled_in_place_with_one_decode_graph():
+    config = transformers.LlamaConfig(**SMALL)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    net = ampgraph.compile(model, amp_level="O2", dtype="bf16")
+    mine, theirs = (transformers.StaticCache(config=config, max_cache_len=16) for _ in "ab")
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
+    for step in range(3):  # prefill, then two decode steps
+        with torch.no_grad():
+            o = net(input_ids=ids, past_key_values=mine)
+            r = model(input_ids=ids, past_key_values=theirs)
+        assert o.past_key_values is mine
+        assert int(mine.get_seq_length()) == int(theirs.get_seq_length()) == 8 + step
+        assert _cosine(o.logits, r.logits) >= 0.99
+        _assert_same_cache(mine, theirs)
+        ids = torch.randint(0, VOCAB, (2, 1), generator=torch.Generator().manual_seed(7 + step))
+    assert [e.path for e in ampgraph.explain(net).eager] == []
+    assert sum(len(g) for g in net._amp_graphs.values()) == 2
