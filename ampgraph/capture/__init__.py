@@ -5,7 +5,8 @@ The ``no_grad`` regions export records are inlined right after export
 
 - ``export``: the exported root taking ``(args, kwargs)``, ``export_module``, ``Captured``;
 - ``structure``: flattening outputs (and inputs) of any structure, rebuilding them;
-- ``hf_caches``: HuggingFace cache objects as pytree nodes;
+- ``hf_caches``: every HuggingFace cache and cache-layer class as a pytree node;
+- ``object_nodes``: objects flattened by their attributes and rebuilt as the same class;
 - ``state``: ``preserved_global_state``, around every export attempt;
 - ``codegen``: the Python that runs a graph once the passes are done (``direct_runner``);
 - ``fallback``: the eager plan of a model export refuses whole (each child compiled alone);

@@ -207,7 +207,7 @@ MAX_GUARDED_SHAPES = 1024
 
 def export_module(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
     """Export ``model`` at aten level with dynamic dims; raises what torch.export raises."""
-    register_hf_caches()
+    register_hf_caches(rescan=True)
     root = ExportRoot(model)
     inputs = (tuple(args), dict(kwargs))
     with preserved_global_state(), quiet_export_logs():
