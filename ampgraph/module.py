@@ -34,6 +34,7 @@ from ampgraph.capture import (
 from ampgraph.capture.fallback import EagerPart, compiled_children, eager_plan
 from ampgraph.capture.generate import route_method
 from ampgraph.capture.state import AUTOCAST_DEVICES
+from ampgraph.compiled_class import compiled_class
 from ampgraph.config import AmpConfig, ResolvedConfig, dtype_name, model_device
 from ampgraph.runtime import Runtime, make_runtime
 from ampgraph.signature import SignedForward, signed_forward
@@ -81,6 +82,11 @@ class AmpModule(nn.Module):
     itself, every ``state_dict`` key prefixed). They are set with ``object.__setattr__``,
     as is the graph each call picks (``_amp_last``: no ``nn.Module.__setattr__`` on every
     call). The other fields are plain values.
+
+    ``AmpModule(model, ...)`` makes an instance of ``compiled_class(AmpModule, type(model))``,
+    a subclass named like the model's class with its ``forward`` signature (a
+    ``PreTrainedModel`` when the model is one): libraries that inspect the class (the
+    HuggingFace Trainer's label names, ``save_pretrained``) see the model's.
     """
 
     amp_resolved: ResolvedConfig  # level, dtype, device and runtime, resolved once
@@ -100,8 +106,14 @@ class AmpModule(nn.Module):
     _amp_forward: Callable[..., Any] | None  # forward with the model's signature
     _amp_training: bool  # the mode nn.Module.__init__ sets, before the model is attached
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> AmpModule:
+        model = args[0] if args else kwargs.get("model")
+        if cls is AmpModule and model is not None:  # the model class's compiled class
+            cls = compiled_class(AmpModule, type(model))
+        return super().__new__(cls)
+
     def __init__(self, model: nn.Module, config: ResolvedConfig, path: str = ""):
-        super().__init__()
+        nn.Module.__init__(self)  # not super(): PreTrainedModel may follow in the MRO
         share_state(self, model)
         object.__setattr__(self, "_amp_model", model)  # not a child: see the class docstring
         self.amp_resolved = config

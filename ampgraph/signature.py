@@ -2,7 +2,9 @@
 
 ``inspect.signature(net.forward)`` then equals ``inspect.signature(model.forward)``:
 HuggingFace's Trainer drops the dataset columns forward does not name, Accelerate rewraps
-``forward.__func__``.
+``forward.__func__``. :func:`class_forward` does the same for the class
+(``ampgraph.compiled_class``): ``inspect.signature(type(net).forward)`` equals
+``inspect.signature(type(model).forward)``, which HuggingFace's ``find_labels`` reads.
 """
 
 from __future__ import annotations
@@ -34,16 +36,41 @@ class SignedForward:
 
 def signed_forward(model: nn.Module, run: Callable[..., Any]) -> Any:
     """A function ``(self, *args, **kwargs)`` calling ``run`` (AmpModule's forward), whose
-    ``__signature__`` is ``self`` + ``model.forward``'s parameters; None if it has none."""
+    ``__signature__`` is ``self`` + ``model.forward``'s parameters; None if it has none.
+
+    Example:
+        >>> list(inspect.signature(signed_forward(nn.Linear(2, 2), run)).parameters)
+        ['self', 'input']
+    """
     try:
         sig = inspect.signature(model.forward)
     except (TypeError, ValueError):
         return None
+    first = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return _calling(run, sig.replace(parameters=[first, *sig.parameters.values()]),
+                    getattr(type(model).forward, "__doc__", None))
 
+
+def class_forward(model_cls: type, run: Callable[..., Any]) -> Any:
+    """:func:`signed_forward` for a class: a function calling ``run`` whose ``__signature__``
+    is ``model_cls.forward``'s (``self`` included), what libraries that inspect a model's
+    class read (HuggingFace's ``find_labels``); None if it has none.
+
+    Example:
+        >>> list(inspect.signature(class_forward(nn.Linear, run)).parameters)
+        ['self', 'input']
+    """
+    try:
+        sig = inspect.signature(model_cls.forward)
+    except (TypeError, ValueError):
+        return None
+    return _calling(run, sig, getattr(model_cls.forward, "__doc__", None))
+
+
+def _calling(run: Callable[..., Any], sig: inspect.Signature, doc: str | None) -> Any:
     def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
         return run(self, *args, **kwargs)
 
-    first = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    forward.__signature__ = sig.replace(parameters=[first, *sig.parameters.values()])
-    forward.__doc__ = getattr(type(model).forward, "__doc__", None)
+    forward.__signature__ = sig
+    forward.__doc__ = doc
     return forward

@@ -3,11 +3,12 @@
 A compiled model already works in the plain ``transformers.Trainer``: ``AmpModule`` keeps
 the model's forward signature (the Trainer drops dataset columns by it), its ``config``
 and methods, the model's state-dict keys, and runs with any outer autocast switched off
-(``TrainingArguments(bf16=True)`` then changes nothing inside the graph). The plain
-Trainer saves a compiled model as a bare ``model.safetensors`` state dict, because it only
-calls ``save_pretrained`` on ``PreTrainedModel`` instances, and it finds the label
-names by the model's class (``find_labels(type(model))``), so pass
-``TrainingArguments(label_names=["labels"])`` to have ``evaluate`` report ``eval_loss``.
+(``TrainingArguments(bf16=True)`` then changes nothing inside the graph). Its class is
+named like the model's, with the model class's forward signature, and is a
+``PreTrainedModel`` when the model is one (:mod:`ampgraph.compiled_class`), so the plain
+Trainer finds the label names and ``can_return_loss`` by ``type(model)`` as for the model
+itself (``evaluate`` reports ``eval_loss``), and ``save_model`` goes through the wrapped
+model's ``save_pretrained`` (config.json, tied weights, ``from_pretrained``-loadable).
 
 :class:`AmpGraphTrainer` adds what the plain Trainer cannot do for a compiled model:
 
@@ -17,9 +18,7 @@ names by the model's class (``find_labels(type(model))``), so pass
   Trainer clips them; a step with a non-finite gradient or loss is skipped on every rank
   (the flag is all-reduced) and reported to Accelerate, so the LR scheduler does not
   advance (``accelerator.optimizer_step_was_skipped``); the scale is logged as
-  ``loss_scale``;
-- saving goes through the wrapped model's ``save_pretrained`` (config.json, tied weights);
-- label names and ``can_return_loss`` come from the wrapped model's class.
+  ``loss_scale``.
 
 Transformers is imported when this module is, never by ``import ampgraph``.
 """
@@ -88,14 +87,6 @@ class AmpGraphTrainer(Trainer):
         self.loss_scaler = None if manager is None else LossScaler(manager)
         self._skip_next_step = False
         super().__init__(*args, **kwargs)
-        # the Trainer reads label names and can_return_loss from the model's class: the
-        # wrapped model's, not AmpModule's
-        from transformers.utils import can_return_loss, find_labels
-
-        cls = type(model.original_module)
-        if self.args.label_names is None:
-            self.label_names = find_labels(cls)
-        self.can_return_loss = can_return_loss(cls)
 
     @property
     def loss_scale_manager(self) -> LossScaleManager | None:
@@ -144,14 +135,3 @@ class AmpGraphTrainer(Trainer):
         if self.loss_scaler is not None and "loss" in logs:
             logs["loss_scale"] = self.loss_scaler.get_loss_scale()
         super().log(logs, *args, **kwargs)
-
-    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        model = self.model
-        if isinstance(model, AmpModule) and hasattr(model.original_module, "save_pretrained"):
-            # save the wrapped model: config.json, tied weights, from_pretrained-loadable
-            self.model = model.original_module
-            try:
-                return super()._save(output_dir, state_dict)
-            finally:
-                self.model = model
-        return super()._save(output_dir, state_dict)

@@ -152,3 +152,29 @@ def test_the_state_is_declared_and_the_model_and_eager_plan_are_not_children():
     assert list(branchy._modules) == ["inner"] and list(net.state_dict()) == [
         "inner.weight", "inner.bias"]
     assert [m for m in net.modules() if m is net._amp_eager] == []
+
+
+def test_amp_module_of_a_model_is_an_instance_of_its_compiled_class():
+    """AmpModule(model) picks the model class's compiled class; deepcopy and copy keep it,
+    and a subclass of AmpModule is left as it is."""
+    import copy
+
+    from ampgraph.compiled_class import compiled_class
+    from ampgraph.module import AmpModule
+
+    model = Keyworded()
+    resolved = ampgraph.AmpConfig.create(amp_level="O2", dtype="bf16").resolve(
+        torch.device("cpu"))
+    net = AmpModule(model, resolved)
+    assert type(net) is compiled_class(AmpModule, Keyworded) and isinstance(net, AmpModule)
+    assert type(AmpModule(model=Keyworded(), config=resolved)) is type(net)
+    x = torch.randn(2, 8)
+    twin = copy.deepcopy(net)
+    assert type(twin) is type(net) and twin.original_module is not model
+    torch.testing.assert_close(twin(x), net(x))
+    assert type(copy.copy(net)) is type(net)
+
+    class Mine(AmpModule):
+        pass
+
+    assert type(Mine(Keyworded(), resolved)) is Mine

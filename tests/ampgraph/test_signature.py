@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import ampgraph
-from ampgraph.signature import SignedForward, signed_forward
+from ampgraph.signature import SignedForward, class_forward, signed_forward
 from tests.helpers import Keyworded
 
 
@@ -43,6 +43,15 @@ def test_signed_forward_has_self_and_the_models_parameters_and_calls_run():
     assert fn("me", 1, mask=2) == "out" and calls == [("me", (1,), {"mask": 2})]
 
 
+def test_class_forward_has_the_model_classes_signature_and_calls_run():
+    calls = []
+    fn = class_forward(Documented, lambda self, *a, **k: calls.append((self, a, k)) or "out")
+    assert inspect.signature(fn) == inspect.signature(Documented.forward)
+    assert list(inspect.signature(fn).parameters) == ["self", "input_ids", "mask"]
+    assert fn.__doc__ == "Documented forward."
+    assert fn("me", 1, mask=2) == "out" and calls == [("me", (1,), {"mask": 2})]
+
+
 def test_signed_forward_is_none_for_a_forward_without_a_signature():
     class Unsigned(nn.Module):
         def forward(self, x):
@@ -51,6 +60,7 @@ def test_signed_forward_is_none_for_a_forward_without_a_signature():
     Unsigned.forward.__signature__ = "not a signature"  # inspect.signature raises TypeError
     try:
         assert signed_forward(Unsigned(), lambda self, *a: None) is None
+        assert class_forward(Unsigned, lambda self, *a: None) is None
     finally:
         del Unsigned.forward.__signature__
 

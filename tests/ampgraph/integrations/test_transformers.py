@@ -17,9 +17,9 @@ SEQ = 12
 
 
 def _config(**kw):
-    return transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
-                                   num_attention_heads=2, intermediate_size=64,
-                                   max_position_embeddings=32, num_labels=2, **kw)
+    base = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                intermediate_size=64, max_position_embeddings=32, num_labels=2)
+    return transformers.BertConfig(**{**base, **kw})
 
 
 class Tokens(torch.utils.data.Dataset):
@@ -55,8 +55,8 @@ def test_plain_trainer_trains_evaluates_and_saves_a_compiled_bert(tmp_path, one_
     assert inspect.signature(net.forward) == inspect.signature(model.forward)
     assert net.config is model.config and net.can_generate() == model.can_generate()
     before = _params(model)
-    # label_names: the Trainer finds them by type(model), and AmpModule's forward is generic
-    args = _args(tmp_path, max_steps=4, bf16=True, label_names=["labels"])
+    # no label_names: the Trainer finds them by type(net), named and signed like the model's
+    args = _args(tmp_path, max_steps=4, bf16=True)
     trainer = transformers.Trainer(model=net, args=args, train_dataset=Tokens(),
                                    eval_dataset=Tokens(16, seed=1))
     trainer.train()
@@ -65,13 +65,72 @@ def test_plain_trainer_trains_evaluates_and_saves_a_compiled_bert(tmp_path, one_
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert net.amp_parts()[0], "the compiled graph ran"
     trainer.save_model(str(tmp_path / "final"))
-    # the plain Trainer writes the state dict (the model's own keys) as model.safetensors
+    # net is a PreTrainedModel: the plain Trainer saves it with the model's save_pretrained
+    assert (tmp_path / "final" / "config.json").exists()
     reloaded = transformers.BertForSequenceClassification.from_pretrained(
-        str(tmp_path / "final"), config=model.config)
+        str(tmp_path / "final"))
     after = model.state_dict()
     assert reloaded.state_dict().keys() == after.keys()
     for k, v in reloaded.state_dict().items():
         assert torch.equal(v, after[k]), k
+
+
+def _tiny(cls_name: str):
+    return getattr(transformers, cls_name)(_config(num_hidden_layers=1))
+
+
+def test_plain_trainer_finds_a_compiled_models_label_names(tmp_path, one_thread):
+    from transformers.utils import can_return_loss, find_labels
+
+    torch.manual_seed(0)
+    model = _tiny("BertForSequenceClassification")
+    net = ampgraph.compile(model, "O2", "bf16")
+    assert find_labels(type(net)) == find_labels(type(model)) == ["labels"]
+    assert can_return_loss(type(net)) is can_return_loss(type(model)) is False
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True,
+                                          per_device_eval_batch_size=8, disable_tqdm=True)
+    trainer = transformers.Trainer(model=net, args=args, eval_dataset=Tokens(16, seed=1))
+    assert trainer.label_names == ["labels"]
+    metrics = trainer.evaluate()
+    assert "eval_loss" in metrics and torch.isfinite(torch.tensor(metrics["eval_loss"]))
+
+
+def test_find_labels_of_a_compiled_question_answering_model():
+    from transformers.utils import find_labels
+
+    model = _tiny("BertForQuestionAnswering")
+    net = ampgraph.compile(model, "O2", "bf16")
+    assert "QuestionAnswering" in type(net).__name__
+    assert find_labels(type(net)) == find_labels(type(model)) == [
+        "start_positions", "end_positions"]
+
+
+def test_can_return_loss_of_a_compiled_model():
+    from transformers.utils import can_return_loss
+
+    class Contrastive(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+        def forward(self, x, return_loss=True):
+            return self.fc(x).sum()
+
+    assert can_return_loss(type(ampgraph.compile(Contrastive(), "O2", "bf16"))) is True
+
+
+def test_plain_trainer_saves_a_compiled_model_with_tied_weights(tmp_path):
+    torch.manual_seed(0)
+    model = _tiny("BertForMaskedLM")  # tied word embeddings / decoder: no bare state dict
+    net = ampgraph.compile(model, "O2", "bf16")
+    trainer = transformers.Trainer(model=net, args=_args(tmp_path))
+    trainer.save_model(str(tmp_path / "mlm"))
+    assert (tmp_path / "mlm" / "config.json").exists()
+    reloaded = transformers.BertForMaskedLM.from_pretrained(str(tmp_path / "mlm"))
+    assert reloaded.config.architectures == ["BertForMaskedLM"]
+    assert reloaded.state_dict().keys() == model.state_dict().keys()
+    for k, v in reloaded.state_dict().items():
+        assert torch.equal(v, model.state_dict()[k]), k
 
 
 class Overflowing:
@@ -115,6 +174,7 @@ def test_amp_graph_trainer_fp16_skips_an_overflow_without_advancing_the_schedule
                                                                  scale_window=1000))
     assert isinstance(trainer.model, ampgraph.AmpModule)
     assert trainer.model.amp_dtype == torch.float16
+    assert trainer.label_names == ["labels"]  # found by the compiled module's class
     trainer.train()
     # step 1 skipped: the scheduler did not advance then, the scale halved once
     assert [skipped for _, skipped, _ in records] == [False, True, False, False]
