@@ -217,14 +217,29 @@ class AmpModule(nn.Module):
                     if self.amp_config.backend is None:  # a new graph, maybe submodules
                         compiled.runner = direct_runner(compiled.captured.gm)
 
+    def drop_graphs(self) -> None:
+        """Forget every captured graph, this module's and its compiled submodules' when it
+        fell back to eager execution: the next call captures again (after the parameters
+        changed dtype, e.g. to 16-bit master weights). ``amp_parts`` still reports the
+        last call's graph until then.
+
+        Example:
+            >>> net.drop_graphs()  # doctest: +SKIP
+        """
+        with self._amp_lock:
+            self._amp_graphs.clear()
+            if self._amp_eager is not None:
+                for child in compiled_children(self._amp_eager, AmpModule):
+                    child.drop_graphs()
+
     # -- execution ------------------------------------------------------------------------
 
     def _run(self, *args: Any, **kwargs: Any) -> Any:
         if _autocast_on():  # the graph's casts are the precision: autocast must not re-cast
             with _autocast_off():
                 return self._run(*args, **kwargs)
-        compiled = self._compiled_for(args, kwargs)
-        if compiled is None:  # eager for good, or for these input shapes (_compiled_for)
+        compiled = self.compiled_for(args, kwargs)
+        if compiled is None:  # eager for good, or for these input shapes (compiled_for)
             eager = self._amp_eager
             return (eager if eager is not None else self._amp_model)(*args, **kwargs)
         flat = compiled.runner(tuple(args), dict(kwargs))
@@ -232,7 +247,15 @@ class AmpModule(nn.Module):
 
     forward = SignedForward(_run)
 
-    def _compiled_for(self, args: tuple, kwargs: dict) -> Compiled | None:
+    def compiled_for(self, args: tuple, kwargs: dict) -> Compiled | None:
+        """The graph that runs ``forward(*args, **kwargs)``, captured now if none of this
+        mode and input structure accepts these inputs; None when they run eagerly (the
+        module fell back whole, or export refused these input shapes).
+
+        Example:
+            >>> net.compiled_for((torch.randn(8, 64),), {}).casts  # doctest: +SKIP
+            4
+        """
         with self._amp_lock:
             if self._amp_eager is not None:
                 return None

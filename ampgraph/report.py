@@ -110,7 +110,7 @@ def explain(module: nn.Module, *example_args: Any, **example_kwargs: Any) -> Pre
             f"{type(module).__name__}; call ampgraph.compile(model) first"
         )
     if example_args or example_kwargs:
-        if module._compiled_for(tuple(example_args), dict(example_kwargs)) is None:
+        if module.compiled_for(tuple(example_args), dict(example_kwargs)) is None:
             _run_keeping_buffers(module, example_args, example_kwargs)  # eager parts capture
     graphs, eager = module.amp_parts()
     if not graphs and not eager:

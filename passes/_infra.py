@@ -5,12 +5,9 @@ How a failure names its node: a pass walks the nodes it processes through
 each step for the :class:`PassManager` running the pass; a pass that fails names the node
 its innermost ``visiting`` loop was at (:func:`current_node`). The loop variable may have
 any name, and a helper the loop body calls needs nothing. Outside a ``PassManager`` run,
-``visiting`` is plain iteration.
-
-A pass that has not adopted ``visiting`` yet (the ONNX dialect's loops) is still served
-the older way: when no ``visiting`` loop ran, :func:`failing_node` looks through the
-traceback for a frame with a local variable called ``node``. Adopting the helper is one
-change per loop, ``for node in nodes:`` -> ``for node in visiting(nodes):``.
+``visiting`` is plain iteration. Both dialects' passes walk their nodes this way
+(``fx.Node`` and ONNX ``NodeProto`` or index records: anything with a string ``.name``);
+a failure outside any ``visiting`` loop names the pass only.
 """
 
 from __future__ import annotations
@@ -18,7 +15,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -92,7 +88,9 @@ def visiting(nodes: Iterable[T]) -> Iterator[T]:
     """Iterate ``nodes``, recording each as the node the running pass is processing.
 
     Under a :class:`PassManager`, a failure while a ``visiting`` loop is at a node names
-    that node (the innermost loop's, when loops nest). A loop left early (``break``, or the
+    that node (the innermost loop's, when loops nest) by its ``.name``: walk the nodes
+    themselves (``enumerate(visiting(nodes))``; the tuples of ``visiting(enumerate(nodes))``
+    have no name, so a failure there names none). A loop left early (``break``, or the
     failure itself) keeps its last node until an enclosing loop moves on or the pass ends:
     a failure after a ``break`` names the node the loop stopped at. Outside a
     ``PassManager`` run it is plain iteration.
@@ -135,45 +133,15 @@ def _name_of(node: Any) -> str | None:
     return name if isinstance(name, str) and name else None
 
 
-def failing_node(tb: TracebackType | None) -> str | None:
-    """The name of the node a pass was processing when it raised, from its traceback: the
-    way of passes that do not walk their nodes through :func:`visiting` (the
-    :class:`PassManager` asks it only when no ``visiting`` loop ran).
-
-    The frames are searched from the innermost outward; the first one with a local variable
-    called ``node`` holding an object with a string ``.name`` (an ``fx.Node``, an ONNX
-    ``NodeProto``) names it. Such passes keep the node they work on in a local called
-    ``node`` (``for node in graph.nodes: ...``); a frame inside torch that has a ``node``
-    local of its own may name the node it was handed instead, which is the node being
-    processed as well. None when no frame has one.
-
-    Example:
-        >>> try:
-        ...     legacy_pass(gm)
-        ... except KeyError as exc:
-        ...     failing_node(exc.__traceback__)
-        'neg'
-    """
-    frames = []
-    while tb is not None:
-        frames.append(tb.tb_frame)
-        tb = tb.tb_next
-    for frame in reversed(frames):
-        name = _name_of(frame.f_locals.get("node"))
-        if name is not None:
-            return name
-    return None
-
-
 class PassManager:
     """Runs passes in order; each is ``fn(graph) -> PassResult``.
 
     A pass that fails surfaces as :class:`PassError` naming it and, when known, the node it
     was processing: a ``PassError`` raised by the pass passes through as it is; any other
     exception is wrapped (chained as its ``__cause__``), the pass named by
-    :func:`pass_name` and the node by the pass's innermost :func:`visiting` loop (or, for a
-    pass without one, by :func:`failing_node`). A warning that a warnings filter turned into
-    an exception is the caller's choice, not a failure: it passes through.
+    :func:`pass_name` and the node by the pass's innermost :func:`visiting` loop (none when
+    no loop was at a node, or its item has no name). A warning that a warnings filter
+    turned into an exception is the caller's choice, not a failure: it passes through.
 
     With ``input_errors`` a ``ValueError`` is the input's fault (the passes raise it for a
     model they cannot take): it is wrapped as :class:`PassInputError`, which is a
@@ -199,8 +167,6 @@ class PassManager:
                 raise
             except Exception as exc:  # name the pass that broke, and its node
                 node = _name_of(visits[-1][0]) if visits else None
-                if node is None:  # no visiting loop at a node: the older way
-                    node = failing_node(exc.__traceback__)
                 if self.input_errors and isinstance(exc, ValueError):
                     raise PassInputError(pass_name(p), node, str(exc)) from exc
                 raise PassError(pass_name(p), node,

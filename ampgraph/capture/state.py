@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
@@ -26,7 +26,8 @@ def preserved_global_state(rng: bool = True) -> Iterator[None]:
     ``InferenceMode`` guard entered in the state it found), autocast for CPU and CUDA
     (enabled, dtype, weight cache, nesting), the default dtype, torch function and
     dispatch mode stacks, and with ``rng`` the CPU, initialised CUDA and Python RNG states
-    (tracing must not consume the numbers the real forward draws).
+    (tracing must not consume the numbers the real forward draws). Each piece is put back
+    even when putting back another fails; the first such failure is raised afterwards.
     """
     grad = torch.is_grad_enabled()
     fwd_grad = torch._C._is_fwd_grad_enabled()
@@ -45,32 +46,72 @@ def preserved_global_state(rng: bool = True) -> Iterator[None]:
         py_rng = random.getstate()
     # Its destructor puts back the autograd state and dispatch keys it found; entering it
     # in the current inference mode changes grad modes only, and those are set back now.
-    guard = torch._C._InferenceMode(inference)
+    guard = [torch._C._InferenceMode(inference)]
     torch._C._set_grad_enabled(grad)
     torch._C._set_fwd_grad_enabled(fwd_grad)
-    try:
-        yield
-    finally:
+
+    def pop_modes() -> None:
         while torch._C._len_torch_function_stack() > function_modes:
             torch._C._pop_torch_function_stack()
         while torch._C._len_torch_dispatch_stack() > dispatch_modes:
-            torch._C._pop_torch_dispatch_stack()
-        del guard
+            _pop_dispatch_mode()
+
+    def grad_modes() -> None:
+        guard.clear()  # its destructor runs now, before grad modes are set
         torch._C._set_grad_enabled(grad)
         torch._C._set_fwd_grad_enabled(fwd_grad)
-        torch.set_default_dtype(default_dtype)
+
+    def autocast_state() -> None:
         for device, (enabled, dtype) in autocast.items():
             torch.set_autocast_enabled(device, enabled)
             torch.set_autocast_dtype(device, dtype)
         torch.set_autocast_cache_enabled(autocast_cache)
+
+    def autocast_nesting() -> None:
         now = torch.autocast_increment_nesting() - 1
         torch.autocast_decrement_nesting()
         while now > nesting:
             now = torch.autocast_decrement_nesting()
         while now < nesting:
             now = torch.autocast_increment_nesting()
-        if rng:
-            torch.set_rng_state(cpu_rng)
-            if cuda_rng is not None:
-                torch.cuda.set_rng_state_all(cuda_rng)
-            random.setstate(py_rng)
+
+    steps = [pop_modes, grad_modes, lambda: torch.set_default_dtype(default_dtype),
+             autocast_state, autocast_nesting]
+    if rng:
+        steps.append(lambda: torch.set_rng_state(cpu_rng))
+        if cuda_rng is not None:
+            steps.append(lambda: torch.cuda.set_rng_state_all(cuda_rng))
+        steps.append(lambda: random.setstate(py_rng))
+    try:
+        yield
+    finally:
+        _run_all(steps)
+
+
+def _pop_dispatch_mode() -> None:
+    """Pop the innermost torch dispatch mode (a Python mode, or else the infra mode of
+    highest priority), whichever signature this torch's binding has: torch 2.13's takes
+    the mode key as a required argument (None: the innermost mode), older ones make it
+    optional or take none."""
+    try:
+        torch._C._pop_torch_dispatch_stack(None)
+    except TypeError:  # a binding without the mode key argument
+        torch._C._pop_torch_dispatch_stack()
+
+
+def _run_all(steps: Iterable[Callable[[], object]]) -> None:
+    """Run every step even when one fails; then raise the first failure, the others as
+    notes on it (a state that cannot be put back is a bug, not to be hidden, but the rest
+    of the state is put back first)."""
+    errors: list[Exception] = []
+    for step in steps:
+        try:
+            step()
+        except Exception as exc:  # noqa: BLE001 - raised below, after the other steps
+            errors.append(exc)
+    if errors:
+        first = errors[0]
+        for other in errors[1:]:
+            first.add_note(f"restoring the global state also failed: "
+                           f"{type(other).__name__}: {other}")
+        raise first

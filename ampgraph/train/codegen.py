@@ -60,6 +60,16 @@ class StepSpec:
             ``update(optimizer)``).
         sharded: gradients are DTensors (FSDP2 ``fully_shard``): unscale each rank's local
             shard, and the all-reduced flag makes the ranks agree.
+
+    Raises:
+        ValueError: a combination no configuration gives (``dynamic``, ``custom_unscale``
+            or ``observe`` without ``scaled``: they are the manager's; ``no_sync`` without
+            accumulation; ``update`` with the FOUND_INF decision, which only a fused
+            ``optimizer.step()`` takes; an unknown decision or fewer than one micro-batch).
+
+    Example:
+        >>> StepSpec(title="O2 fp16", scaled=True, dynamic=True, clip_norm=1.0).decision
+        'host'
     """
 
     title: str
@@ -80,14 +90,32 @@ class StepSpec:
     update: bool = False
     sharded: bool = False
 
+    def __post_init__(self) -> None:
+        if self.decision not in (HOST, FOUND_INF, ALWAYS):
+            raise ValueError(f"decision must be {HOST!r}, {FOUND_INF!r} or {ALWAYS!r}, got "
+                             f"{self.decision!r}")
+        if self.accumulation_steps < 1:
+            raise ValueError(f"accumulation_steps must be at least 1, got "
+                             f"{self.accumulation_steps}")
+        manager_only = [f for f in ("dynamic", "custom_unscale", "observe") if getattr(self, f)]
+        if manager_only and not self.scaled:
+            raise ValueError(f"{', '.join(manager_only)} come from a loss-scale manager: set "
+                             "scaled=True too")
+        if self.no_sync and self.accumulation_steps == 1:
+            raise ValueError("no_sync skips the all-reduce of non-final micro-batches: it "
+                             "needs accumulation_steps > 1")
+        if self.update and self.decision == FOUND_INF:
+            raise ValueError("decision=FOUND_INF hands found_inf to a fused optimizer.step(); "
+                             "an own update rule (update=True) decides on the host (HOST)")
+
 
 def generate(spec: StepSpec) -> str:
     """The source of ``train_step(*args, **kwargs) -> StepOutput`` for ``spec``.
 
     Names the source uses, all provided by the namespace: torch, dist, net, module,
     loss_fn, optimizer, manager, params, found_inf, one, counters, group, monitor,
-    StepOutput, fp32_loss, model_loss, cast_fp32, to_host, unscale_by_device, clip_grad_norm_,
-    nullcontext, local_grads, full_tensor.
+    StepOutput, update, fp32_loss, model_loss, cast_fp32, to_host, unscale_by_device,
+    clip_grad_norm_, nullcontext, local_grads, full_tensor.
 
     Example:
         >>> "clip_grad_norm_" in generate(StepSpec(title="O2 bf16"))
@@ -160,16 +188,19 @@ def generate(spec: StepSpec) -> str:
     if spec.monitor:
         add("    monitor.after_backward(counters.step_index, module, optimizer, scale, found_inf)")
     early = spec.observe and spec.decision == HOST
+    clean_block = False  # the last lines are the body of `if not host[0]:`
     if early:  # statistics only on clean steps: synchronise before measuring
         add("    info = torch.stack((found_inf, scale))  # this step's (overflow, scale)")
         add("    host = to_host(info)  # the step's one host synchronisation")
         add("    if not host[0]:")
         add("        manager.observe_gradients(params, found_inf)")
+        clean_block = True
     elif spec.observe:
         add("    manager.observe_gradients(params, found_inf)  # on the device, no sync")
     # 5. clip the unscaled gradients
     grad_norm = "None"
-    if spec.clip_norm is not None:
+    if spec.clip_norm is not None:  # on every step, overflow or not: ends a clean block
+        clean_block = False
         add(f"    grad_norm = clip_grad_norm_(params, {spec.clip_norm!r}, "
             f"norm_type={spec.norm_type!r})")
         if spec.sharded:
@@ -183,7 +214,7 @@ def generate(spec: StepSpec) -> str:
     if spec.decision == HOST:
         if not early:
             add("    host = to_host(info)  # the step's one host synchronisation")
-        if not early:
+        if not clean_block:
             add("    if not host[0]:")
         add(f"        {step_call}")
         host = "host"

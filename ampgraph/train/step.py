@@ -307,7 +307,7 @@ def _weight_update(mode: Any, module: nn.Module, optimizer: torch.optim.Optimize
                          "(or master_weights='kahan' for fp16)")
     check_supported(optimizer)
     convert_weights(module.original_module, low)
-    module._amp_graphs.clear()  # graphs captured with fp32 parameters are stale
+    module.drop_graphs()  # graphs captured with fp32 parameters are stale
     update = LowPrecisionUpdate(mode)
     return update
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from onnx import NodeProto, TensorProto, helper
 
+from passes._infra import visiting
 from passes.onnx.graph import ModelIndex, Scope
 from passes.onnx.initializers import const_tensor, const_variant, convert_tensor, set_const
 from passes.onnx.policy import DTYPE_TAG, FLOAT, FLOAT_TYPES
@@ -85,10 +86,10 @@ def collect_requests(
     """
     types = index.types()
     req = Requests()
-    for rec in index.nodes:
+    for rec in visiting(index.nodes):
         if rec.role == "alias":
             req.alias[rec.node.output[0]] = rec.node.input[0]
-    for rec in index.nodes:
+    for rec in visiting(index.nodes):
         node = rec.node
         if rec.role == "compute":
             d = decisions.get(rec.name)
@@ -140,7 +141,8 @@ class Rewriter:
 
     def run(self) -> dict:
         self._materialise_dtypes()
-        for rec in self.index.nodes:  # readers that accept any dtype (Shape) skip removed Casts
+        # readers that accept any dtype (Shape) skip removed Casts
+        for rec in visiting(self.index.nodes):
             for i, name in enumerate(rec.node.input):
                 if name in self.req.alias:
                     rec.node.input[i] = self.req.root(name)
@@ -282,7 +284,7 @@ class Rewriter:
         g = scope.graph
         nodes = list(self.head[id(scope)])
         removed = set(self.req.alias)
-        for node in g.node:
+        for node in visiting(g.node):
             if node.op_type == "Cast" and node.output and node.output[0] in removed:
                 continue
             nodes.append(node)

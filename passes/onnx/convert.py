@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import networkx as nx
 from onnx import ModelProto, TensorProto
 
-from passes._infra import PassManager, PassResult, named
+from passes._infra import PassManager, PassResult, named, visiting
 from passes.onnx.casts import IN, Requests, Rewriter, collect_requests
 from passes.onnx.graph import ModelIndex, build_dataflow, module_key
 from passes.onnx.initializers import (
@@ -210,8 +210,8 @@ def onnx_passes(
     return passes
 
 
-# The passes. Each keeps the node it works on in a local called ``node`` (a PassError names
-# it) and hands its results on in ``state``.
+# The passes. Each walks the nodes it works on through ``visiting`` (a PassError names the
+# node it was at) and hands its results on in ``state``.
 
 
 def _index_model(model: ModelProto, state: ConvertState, shadow: bool) -> PassResult:
@@ -236,10 +236,9 @@ def _mark_low_blockers(model: ModelProto, state: ConvertState, low: int,
     """Nodes whose schema has no ``low`` version, or whose FP32-only inputs share its type,
     and the nodes the caller keeps in FP32: forced to FP32."""
     types = state.index.types()
-    for rec in state.index.nodes:
-        node = rec.node
+    for rec in visiting(state.index.nodes):
         if rec.role == "compute":
-            why = low_blocker(node, rec.opset, types, low)
+            why = low_blocker(rec.node, rec.opset, types, low)
             if why:
                 state.forced[rec.name] = why
     state.forced.update({name: "automatic mode: this region is kept in fp32"

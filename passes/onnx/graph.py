@@ -26,6 +26,7 @@ import networkx as nx
 import onnx
 from onnx import GraphProto, ModelProto, NodeProto, TensorProto
 
+from passes._infra import visiting
 from passes.onnx.policy import CONTROL_FLOW, FLOAT_TYPES
 from passes.onnx.skeleton import skeleton
 
@@ -131,7 +132,7 @@ class ModelIndex:
         types = infer_types(model)
         index.scopes.append(Scope(model.graph))
         index._walk(index.scopes[0], opsets, types, local, seen_nodes=set())
-        for rec in index.nodes:
+        for rec in visiting(index.nodes):
             for slot, name in enumerate(rec.node.input):
                 if name:
                     index.consumers.setdefault(name, []).append((rec, slot))
@@ -146,7 +147,7 @@ class ModelIndex:
         for init in g.initializer:
             source = self.sources.get(init.name) if main else None
             self._add_value(init.name, init.data_type, scope, "init", tensor=init, source=source)
-        for i, node in enumerate(g.node):
+        for i, node in enumerate(visiting(g.node)):
             if not node.name or node.name in seen_nodes:
                 node.name = _fresh(f"{node.op_type}_{len(self.nodes)}_{i}", seen_nodes)
             seen_nodes.add(node.name)
@@ -286,7 +287,7 @@ def infer_types(model: ModelProto, *, strict: bool = False) -> dict[str, int]:
                 types[vi.name] = vi.type.tensor_type.elem_type
         for t in g.initializer:
             types[t.name] = t.data_type
-        for node in g.node:
+        for node in visiting(g.node):
             if node.op_type == "Constant" and node.output:
                 for attr in node.attribute:
                     if attr.name == "value":
@@ -326,12 +327,12 @@ def build_dataflow(index: ModelIndex) -> nx.DiGraph:
     for name, v in index.values.items():
         if v.origin != "node" and v.dtype in FLOAT_TYPES:
             graph.add_node(("value", name), kind="source", op="", module="", module_classes=())
-    for rec in index.nodes:
+    for rec in visiting(index.nodes):
         graph.add_node(
             rec.name, kind=PAINT_KIND[rec.role], op=rec.node.op_type,
             module=module_key(rec.name), module_classes=(),
         )
-    for rec in index.nodes:
+    for rec in visiting(index.nodes):
         for name in rec.node.input:
             v = index.values.get(name)
             if v is None or v.dtype not in FLOAT_TYPES:

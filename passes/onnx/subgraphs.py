@@ -15,6 +15,7 @@ from collections.abc import Iterator, Mapping
 
 from onnx import GraphProto, ModelProto
 
+from passes._infra import visiting
 from passes.onnx.graph import subgraphs
 
 
@@ -42,7 +43,7 @@ def rename_values(model: ModelProto, mapping: Mapping[str, str]) -> None:
     if not mapping:
         return
     for g in all_graphs(model.graph):
-        for node in g.node:
+        for node in visiting(g.node):
             for i, name in enumerate(node.input):
                 if name in mapping:
                     node.input[i] = mapping[name]

@@ -18,7 +18,7 @@ from collections.abc import Collection, Mapping
 import onnx
 from onnx import ModelProto, TensorProto
 
-from passes._infra import PassError
+from passes._infra import PassError, visiting
 from passes.onnx.casts import INSERTED
 from passes.onnx.graph import infer_types, rounds
 from passes.onnx.policy import FLOAT_TYPES
@@ -53,11 +53,11 @@ def verify_model(
     producers: dict[str, onnx.NodeProto] = {}
     casts: dict[tuple[str, int], str] = {}
     for g in all_graphs(model.graph):
-        for node in g.node:
+        for node in visiting(g.node):
             for out in node.output:
                 producers[out] = node
     for g in all_graphs(model.graph):
-        for node in g.node:
+        for node in visiting(g.node):
             if node.op_type != "Cast" or node.domain not in ("", "ai.onnx"):
                 continue
             to = next(a.i for a in node.attribute if a.name == "to")
@@ -82,14 +82,12 @@ def verify_model(
             raise PassError("verify", None, f"graph input/output {name!r} is "
                             f"{_dt(types.get(name, 0))}, expected {_dt(dtype)} (keep_io_types)")
     nodes = {n.name: n for g in all_graphs(model.graph) for n in g.node}
-    for name, slots in (expected or {}).items():
-        node = nodes.get(name)
-        if node is None:
-            continue
-        for slot, dtype in slots.items():
+    expected = expected or {}
+    for node in visiting([nodes[name] for name in expected if name in nodes]):
+        for slot, dtype in expected[node.name].items():
             got = types.get(node.input[slot], 0)
             if got != dtype:
-                raise PassError("verify", name, f"input {slot} ({node.input[slot]!r}) is "
+                raise PassError("verify", node.name, f"input {slot} ({node.input[slot]!r}) is "
                                 f"{_dt(got)}, the precision plan asked for {_dt(dtype)}")
     return types
 

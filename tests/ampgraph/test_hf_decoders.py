@@ -165,14 +165,14 @@ def test_generate_runs_the_compiled_graph_with_its_cache():
     model = tiny_llama().eval()
     net = ampgraph.compile(model, amp_level="O2", dtype="bf16")
     seen = []
-    real = net._compiled_for
+    real = net.compiled_for
 
     def spy(args, kwargs):
         compiled = real(args, kwargs)
         seen.append((kwargs.get("past_key_values"), compiled))
         return compiled
 
-    net._compiled_for = spy
+    net.compiled_for = spy
     ids = tokens(seq=6)
     mask = torch.ones_like(ids)
     assert net.can_generate() and net.config is model.config

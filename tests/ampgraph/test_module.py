@@ -178,3 +178,54 @@ def test_amp_module_of_a_model_is_an_instance_of_its_compiled_class():
         pass
 
     assert type(Mine(Keyworded(), resolved)) is Mine
+
+
+class Branchy(nn.Module):
+    """Data-dependent control flow: export refuses it whole, its Linear compiles alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.inner(x) if x.sum() > 0 else -self.inner(x)
+
+
+def test_compiled_for_gives_the_graph_a_call_runs_and_none_when_eager(monkeypatch):
+    import ampgraph.module as module
+
+    exports = []
+    real = module.export_module
+    monkeypatch.setattr(module, "export_module", lambda *a: exports.append(1) or real(*a))
+    net = ampgraph.compile(nn.Sequential(nn.Linear(4, 4)), "O2", "bf16")
+    x = torch.randn(2, 4)
+    compiled = net.compiled_for((x,), {})
+    assert compiled is not None and len(exports) == 1
+    assert net.compiled_for((torch.randn(2, 4),), {}) is compiled and len(exports) == 1
+    net(x)
+    assert net.amp_parts()[0] == [("", compiled)]
+    eager = ampgraph.compile(Branchy(), "O2", "bf16")
+    with pytest.warns(UserWarning, match="could not be captured whole"):
+        assert eager.compiled_for((torch.ones(2, 4),), {}) is None
+
+
+def test_drop_graphs_makes_the_next_call_capture_again_children_too(monkeypatch):
+    import ampgraph.module as module
+
+    exports = []
+    real = module.export_module
+    monkeypatch.setattr(module, "export_module", lambda *a: exports.append(1) or real(*a))
+    net = ampgraph.compile(nn.Sequential(nn.Linear(4, 4)), "O2", "bf16")
+    x = torch.randn(2, 4)
+    first = net.compiled_for((x,), {})
+    net.drop_graphs()
+    assert net.compiled_for((x,), {}) is not first and len(exports) == 2
+    eager = ampgraph.compile(Branchy(), "O2", "bf16")
+    with pytest.warns(UserWarning, match="could not be captured whole"):
+        eager(torch.ones(2, 4))
+    (child,) = [m for m in eager._amp_eager.modules() if isinstance(m, module.AmpModule)]
+    assert len(child._amp_graphs) == 1
+    eager.drop_graphs()
+    assert len(child._amp_graphs) == 0
+    eager(torch.ones(2, 4))
+    assert len(child._amp_graphs) == 1

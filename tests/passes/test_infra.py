@@ -1,5 +1,5 @@
 """passes/_infra.py: PassManager names the pass and the node of any failure: the node of
-the pass's innermost ``visiting`` loop, or (for passes without one) a frame's ``node`` local."""
+the pass's innermost ``visiting`` loop (none outside such a loop)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ from passes._infra import (
     PassManager,
     PassResult,
     current_node,
-    failing_node,
     named,
     pass_name,
     visiting,
@@ -36,7 +35,7 @@ def small_graph() -> fx.GraphModule:
 def lookup_by_op(gm: fx.GraphModule) -> PassResult:
     """A pass with a bug: a KeyError inside its loop over the nodes, at node ``neg``."""
     table = {"placeholder": 0, "output": 2, "relu": 1}
-    for node in gm.graph.nodes:
+    for node in visiting(gm.graph.nodes):
         if node.op == "call_function":
             table[node.name]
     return PassResult(gm, False)
@@ -60,13 +59,13 @@ def test_a_keyerror_in_a_loop_over_nodes_names_the_pass_and_the_node():
     assert isinstance(err.__cause__, KeyError)
 
 
-def test_the_innermost_frame_with_a_node_names_it():
+def test_a_helper_s_own_visiting_loop_names_its_node():
     def helper(node_list):
-        for node in node_list:  # innermost: names "relu" though the caller is at "neg"
+        for node in visiting(node_list):  # innermost: names "relu" though the caller is at "neg"
             raise ValueError(node.name)
 
     def outer(gm):
-        for node in gm.graph.nodes:
+        for node in visiting(gm.graph.nodes):
             if node.name == "neg":
                 helper([node.prev])
         return PassResult(gm, False)
@@ -84,7 +83,19 @@ def test_a_failure_outside_any_node_names_no_node():
         PassManager([empty]).run(small_graph())
     assert info.value.node is None
     assert str(info.value) == "[empty]: RuntimeError: nothing to do"
-    assert failing_node(None) is None
+
+
+def test_a_loop_without_visiting_names_no_node():
+    def plain_loop(gm):
+        for node in gm.graph.nodes:  # a local called node no longer names anything
+            if node.name == "neg":
+                raise ValueError(node.name)
+        return PassResult(gm, False)
+
+    with pytest.raises(PassError) as info:
+        PassManager([plain_loop]).run(small_graph())
+    assert (info.value.pass_name, info.value.node) == ("plain_loop", None)
+    assert str(info.value) == "[plain_loop]: ValueError: neg"
 
 
 def test_pass_errors_and_escalated_warnings_pass_through_unchanged():
@@ -217,21 +228,24 @@ def test_visiting_outside_a_pass_manager_is_plain_iteration():
     assert current_node() is None
 
 
-def test_visiting_items_without_a_name_fall_back_to_the_node_local():
-    def pairs(gm):
-        for i, node in visiting(enumerate(gm.graph.nodes)):  # tuples: no name
+def test_visiting_inside_enumerate_names_the_node_and_tuples_name_none():
+    def pairs(gm, inside):
+        items = enumerate(visiting(gm.graph.nodes)) if inside else visiting(
+            enumerate(gm.graph.nodes))  # tuples: no name
+        for i, node in items:
             if node.name == "neg":
                 raise ValueError(i)
         return PassResult(gm, False)
 
-    with pytest.raises(PassError) as info:
-        PassManager([pairs]).run(small_graph())
-    assert info.value.node == "neg"
+    for inside, where in [(True, "neg"), (False, None)]:
+        with pytest.raises(PassError) as info:
+            PassManager([named("pairs", pairs, inside)]).run(small_graph())
+        assert info.value.node == where
 
 
 def test_input_errors_turn_a_value_error_into_a_pass_input_error():
     def bad_model(gm):
-        for node in gm.graph.nodes:
+        for node in visiting(gm.graph.nodes):
             if node.name == "neg":
                 raise ValueError("value 'neg' is defined twice")
         return PassResult(gm, False)

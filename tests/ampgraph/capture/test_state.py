@@ -101,9 +101,6 @@ def test_a_function_mode_left_on_the_stack_is_popped():
     assert torch._C._len_torch_function_stack() == function_modes
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError, reason=(
-    "known bug: torch 2.13's _pop_torch_dispatch_stack takes the mode key (None for a "
-    "Python mode); preserved_global_state calls it without one and raises TypeError"))
 def test_a_dispatch_mode_left_on_the_stack_is_popped():
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -115,3 +112,56 @@ def test_a_dispatch_mode_left_on_the_stack_is_popped():
         while torch._C._len_torch_dispatch_stack() > dispatch_modes:  # leave none behind
             torch._C._pop_torch_dispatch_stack(None)
     assert torch._C._len_torch_dispatch_stack() == dispatch_modes
+
+
+def test_a_binding_without_the_mode_key_is_called_without_it(monkeypatch):
+    """torch before 2.13 may take no argument: the pop is tried with None, then without."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    real = torch._C._pop_torch_dispatch_stack
+    calls = []
+
+    def no_key(*args):
+        calls.append(args)
+        if args:
+            raise TypeError("_pop_torch_dispatch_stack() takes no arguments (1 given)")
+        return real(None)
+
+    dispatch_modes = torch._C._len_torch_dispatch_stack()
+    monkeypatch.setattr(torch._C, "_pop_torch_dispatch_stack", no_key)
+    with preserved_global_state():
+        TorchDispatchMode().__enter__()
+    assert torch._C._len_torch_dispatch_stack() == dispatch_modes and calls == [(None,), ()]
+
+
+def test_the_rest_of_the_state_is_restored_when_one_piece_fails(monkeypatch):
+    """A restore that raises does not stop the others; its error is raised after them."""
+    before = global_state()
+    torch.manual_seed(3)
+    random.seed(3)
+    expected = torch.rand(2), random.random()
+    torch.manual_seed(3)
+    random.seed(3)
+    real_set_dtype = torch.set_default_dtype
+    failing = {"on": False}
+
+    def set_default_dtype(dtype):
+        if failing["on"]:
+            raise RuntimeError("cannot set the default dtype")
+        real_set_dtype(dtype)
+
+    monkeypatch.setattr(torch, "set_default_dtype", set_default_dtype)
+    with pytest.raises(RuntimeError, match="cannot set the default dtype") as info, \
+            preserved_global_state():
+        torch.set_grad_enabled(False)
+        torch.set_autocast_enabled("cpu", True)
+        torch.rand(5)
+        random.random()
+        real_set_dtype(torch.float64)
+        failing["on"] = True
+        raise ValueError("the body failed")
+    assert isinstance(info.value.__context__, ValueError)  # the body's error, kept
+    assert torch.get_default_dtype() == torch.float64  # the piece that failed
+    real_set_dtype(before[2])
+    assert global_state() == before  # every other piece is back
+    assert torch.equal(torch.rand(2), expected[0]) and random.random() == expected[1]

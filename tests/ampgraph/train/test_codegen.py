@@ -3,9 +3,12 @@ StepOutput it returns and the helpers the generated code calls."""
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
+import itertools
 import linecache
 import re
+import symtable
 import traceback
 
 import pytest
@@ -84,14 +87,70 @@ def test_observing_on_a_synchronising_step_observes_clean_steps_only():
     assert "    manager.observe_gradients(params, found_inf)  # on the device" in fused
 
 
-@pytest.mark.xfail(strict=True, raises=SyntaxError, reason=(
-    "known bug: with observe (AdaptiveLossScaleManager) and a host-synchronised step, the "
-    "clipping line lands between `if not host[0]:` and the optimizer step, so "
-    "build_train_step(..., loss_scale_manager=AdaptiveLossScaleManager(), clip_grad_norm=1.0) "
-    "fails to compile its step"))
 def test_observing_with_clipping_compiles():
     compile(generate(StepSpec(title="t", scaled=True, observe=True, clip_norm=1.0)), "<check>",
             "exec")
+
+
+def test_observing_with_clipping_observes_clean_steps_clips_every_step_and_gates_the_step():
+    source = generate(StepSpec(title="t", scaled=True, observe=True, clip_norm=1.0))
+    assert source.count("to_host(info)") == 1
+    assert "    if not host[0]:\n        manager.observe_gradients(params, found_inf)\n" \
+        "    grad_norm = clip_grad_norm_(params, 1.0, norm_type=2.0)\n" \
+        "    if not host[0]:\n        optimizer.step()\n" in source
+
+
+# What build_train_step puts in the generated step's namespace (ampgraph/train/step.py).
+NAMESPACE = {*runtime_helpers(), "net", "module", "loss_fn", "optimizer", "manager", "params",
+             "found_inf", "one", "counters", "group", "monitor", "StepOutput", "update"}
+FLAGS = [f.name for f in dataclasses.fields(StepSpec) if f.type in ("bool", bool)]
+
+
+def invalid(spec_args: dict) -> bool:
+    """The combinations StepSpec refuses (no build_train_step configuration gives them)."""
+    return ((not spec_args["scaled"] and any(spec_args[f] for f in
+                                             ("dynamic", "custom_unscale", "observe")))
+            or (spec_args["no_sync"] and spec_args["accumulation_steps"] == 1)
+            or (spec_args["update"] and spec_args["decision"] == FOUND_INF))
+
+
+def unbound_names(source: str) -> set[str]:
+    """Names the step reads that it neither assigns nor finds in its namespace or builtins
+    (``symtable`` resolves each name's scope the way ``compile`` does)."""
+    step = symtable.symtable(source, "<check>", "exec").get_children()[0]
+    reads = {s.get_name() for s in step.get_symbols() if s.is_global() and s.is_referenced()}
+    return reads - NAMESPACE - set(dir(builtins))
+
+
+@pytest.mark.parametrize("clip_norm", [None, 1.0])
+@pytest.mark.parametrize("accumulation_steps", [1, 2])
+@pytest.mark.parametrize("decision", [HOST, FOUND_INF, ALWAYS])
+def test_every_combination_of_flags_generates_a_well_formed_step(decision, accumulation_steps,
+                                                                clip_norm):
+    assert len(FLAGS) == 12  # a new flag joins the combinations
+    seen: set[str] = set()
+    for values in itertools.product((False, True), repeat=len(FLAGS)):
+        args = dict(zip(FLAGS, values), decision=decision, clip_norm=clip_norm,
+                    accumulation_steps=accumulation_steps)
+        if invalid(args):
+            with pytest.raises(ValueError):
+                StepSpec(title="t", **args)
+            continue
+        source = generate(StepSpec(title="t", **args))
+        if source in seen:  # a flag without effect here (cast_outputs without loss_fn ...)
+            continue
+        seen.add(source)
+        where = f"{args}:\n{source}"
+        compile(source, "<check>", "exec")  # no SyntaxError / IndentationError
+        assert not unbound_names(source), where
+        steps = source.count("optimizer.step()") + source.count("update(optimizer)")
+        assert steps == 1, where
+        gate = "if not host[0]:" in source
+        assert gate == (decision == HOST), where
+        assert source.count("to_host(info)") == (decision == HOST), where
+        assert ("clip_grad_norm_" in source) == (clip_norm is not None), where
+        assert source.rstrip().splitlines()[-1].startswith("    return StepOutput("), where
+    assert seen
 
 
 def test_unscaling_follows_the_gradients_layout():
@@ -105,6 +164,19 @@ def test_unscaling_follows_the_gradients_layout():
     assert unscale_line(multi_device=True) == ["unscale_by_device(params, found_inf, inv_scale)"]
     sharded = generate(StepSpec(title="t", scaled=True, sharded=True, clip_norm=1.0))
     assert "grads = local_grads(params)" in sharded and "full_tensor(grad_norm)" in sharded
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"decision": "sometimes"}, "decision must be"),
+    ({"accumulation_steps": 0}, "accumulation_steps must be at least 1"),
+    ({"observe": True}, "observe come from a loss-scale manager"),
+    ({"dynamic": True, "custom_unscale": True}, "dynamic, custom_unscale come from"),
+    ({"no_sync": True}, "needs accumulation_steps > 1"),
+    ({"scaled": True, "update": True, "decision": FOUND_INF}, "decides on the host"),
+])
+def test_spec_refuses_what_no_configuration_gives(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        StepSpec(title="t", **kwargs)
 
 
 def test_spec_is_frozen():

@@ -12,6 +12,7 @@ from torch import nn
 
 import ampgraph
 import ampgraph.train.codegen as codegen
+from ampgraph.train.adaptive_scale import AdaptiveLossScaleManager
 from ampgraph.train.loss_scale import DynamicLossScaleManager, FixedLossScaleManager
 from ampgraph.train.step import build_train_step
 from tests.helpers import SyncCounter
@@ -293,6 +294,16 @@ def test_clipping_bounds_the_unscaled_gradient_norm(net):
                             loss_scale_manager=DynamicLossScaleManager(2.0**12))
     out = step(*batch(0))
     total = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in net.parameters()]))
+    assert out.grad_norm > 0.01 and total <= 0.01 * (1 + 1e-4)
+
+
+def test_clipping_with_a_manager_that_observes_gradients(net):
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)  # not fused: one host sync decides
+    step = build_train_step(net, F.cross_entropy, opt, clip_grad_norm=0.01,
+                            loss_scale_manager=AdaptiveLossScaleManager())
+    out = step(*batch(0))
+    total = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in net.parameters()]))
+    assert out.stepped and not out.overflow
     assert out.grad_norm > 0.01 and total <= 0.01 * (1 + 1e-4)
 
 

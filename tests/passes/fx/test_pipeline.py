@@ -11,6 +11,7 @@ from torch import nn
 
 import passes.fx.pipeline as pipeline
 from passes import PassError, PassResult
+from passes._infra import visiting
 from passes.fx.pipeline import gc_paused, run_amp_passes
 from passes.fx.policy import make_policy
 from passes.fx.runtime_ops import RuntimeOps
@@ -83,7 +84,7 @@ def test_the_pipeline_is_a_list_of_named_passes():
 
 def failing_route(gm, fn, low):
     """A route pass with a bug: a KeyError at the first low-precision op."""
-    for node in gm.graph.nodes:
+    for node in visiting(gm.graph.nodes):
         if node.meta.get("amp_precision") == "low":
             node.meta["no such key"]
     return PassResult(gm, False)

@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 from onnx import helper
 
+import passes.onnx.casts as pcasts
 import passes.onnx.convert as pconvert
+import passes.onnx.graph as pgraph
 from passes._infra import PassError, PassInputError
 from passes.onnx import convert_model
 from passes.onnx.convert import ConvertState, onnx_passes
@@ -176,3 +178,38 @@ def test_a_model_a_pass_cannot_take_is_a_value_error_naming_the_pass_and_node():
     assert isinstance(err, PassInputError)
     assert (err.pass_name, err.node) == ("index_model", "second")
     assert str(err).startswith("[index_model] at node 'second': value 'h' is defined twice")
+
+
+@pytest.mark.parametrize("module, attr, pass_name", [
+    (pgraph, "module_key", "build_dataflow"),  # called per node by build_dataflow
+    (pcasts, "plan_node", "collect_requests"),  # per compute node, inside the range rounds
+])
+def test_each_pass_names_the_node_its_loop_is_at(monkeypatch, module, attr, pass_name):
+    real = getattr(module, attr)
+
+    def broken(first, *args):
+        if getattr(first, "name", first) == "mm2":
+            raise KeyError("broken")
+        return real(first, *args)
+
+    monkeypatch.setattr(module, attr, broken)
+    with pytest.raises(PassError) as info:
+        convert_model(mlp(), "O2")
+    assert (info.value.pass_name, info.value.node) == (pass_name, "mm2")
+    assert str(info.value) == f"[{pass_name}] at node 'mm2': KeyError: 'broken'"
+
+
+def test_a_failure_inside_a_subgraph_names_the_subgraph_s_node():
+    body = helper.make_graph([helper.make_node("Neg", ["x"], ["h"], name="in_branch")],
+                             "then", [], [vi("h", F32, [2])])  # "h" is defined outside too
+    other = helper.make_graph([helper.make_node("Relu", ["x"], ["e"], name="other")],
+                              "else", [], [vi("e", F32, [2])])
+    nodes = [helper.make_node("Relu", ["x"], ["h"], name="outer"),
+             helper.make_node("If", ["c"], ["y"], name="if", then_branch=body,
+                              else_branch=other)]
+    graph = helper.make_graph(nodes, "g", [vi("x", F32, [2]), vi("c", 9, [])],
+                              [vi("y", F32, [2])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    with pytest.raises(PassInputError) as info:
+        convert_model(model, "O2")
+    assert (info.value.pass_name, info.value.node) == ("index_model", "in_branch")
