@@ -27,6 +27,8 @@ from ampgraph.capture.structure import (
     assign_contents,
     contents_changed,
     custom_objects,
+    exportable_inputs,
+    restored_inputs,
     spec_uses_inputs,
     strip_tensors,
     unflatten_output,
@@ -38,13 +40,17 @@ class ExportRoot(nn.Module):
     """Exports ``model(*args, **kwargs)`` with flat outputs, sharing the model's state.
 
     Its parameter, buffer and submodule dicts *are* the model's, so the exported graph
-    refers to the user's own Parameter objects under the user's own names.
+    refers to the user's own Parameter objects under the user's own names. ``changed`` says
+    where export is given another form of the inputs (a ``torch.Size`` as a tuple, a dtype
+    as None: :func:`~ampgraph.capture.structure.exportable_inputs`): the model gets the
+    originals back.
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, changed: Any = None):
         super().__init__()
         share_state(self, model)
         self.__dict__["_amp_model"] = model
+        self.__dict__["_amp_changed"] = changed
         box: dict[str, Any] = {}
         # torch.export restores container attributes the forward mutates, so the output
         # spec goes to a box only a closure can see.
@@ -52,6 +58,7 @@ class ExportRoot(nn.Module):
         self.__dict__["_out_spec"] = lambda: box["spec"]
 
     def forward(self, args: tuple, kwargs: dict) -> tuple:
+        args, kwargs = restored_inputs((args, kwargs), self.__dict__["_amp_changed"])
         objs = custom_objects((args, kwargs))
         before = [pytree.tree_flatten(o) for o in objs]
         out = self.__dict__["_amp_model"](*args, **kwargs)
@@ -78,8 +85,17 @@ def share_state(dst: nn.Module, src: nn.Module) -> None:
 def dynamic_spec(inputs: Any) -> Any:
     """Every dimension of every tensor input may be dynamic (export specialises as needed).
 
-    A registered pytree node that is not a built-in container (a HuggingFace cache) gets
-    the list of its children's specs, which is what torch.export expects for such types.
+    The spec has the inputs' structure: built-in containers as themselves (tuples as
+    tuples, lists as lists), None for each non-tensor leaf. A registered pytree node that
+    is not a built-in container (a HuggingFace cache) gets its children's specs in the
+    sequence its flatten returns them in, which is what torch.export expects for such
+    types. (A ``torch.Size`` input has no spec export accepts: :func:`export_module` gives
+    export a tuple instead, see :func:`~ampgraph.capture.structure.exportable_inputs`.)
+
+    Example:
+        >>> spec = dynamic_spec(((torch.ones(2), (1, 2)), {"mask": None}))
+        >>> spec[0][0] == {0: Dim.AUTO}, spec[0][1], spec[1]
+        (True, (None, None), {'mask': None})
     """
     def spec(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
@@ -92,7 +108,8 @@ def dynamic_spec(inputs: Any) -> Any:
         specs = [spec(c) for c in children]
         if node_type in BUILTIN_NODE_TYPES:
             return node.unflatten_fn(specs, context)
-        return specs  # e.g. a cache, a ModelOutput passed back in (encoder_outputs)
+        # e.g. a cache, a ModelOutput passed back in (encoder_outputs)
+        return tuple(specs) if type(children) is tuple else specs
 
     return spec(inputs)
 
@@ -208,8 +225,8 @@ MAX_GUARDED_SHAPES = 1024
 def export_module(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
     """Export ``model`` at aten level with dynamic dims; raises what torch.export raises."""
     register_hf_caches()
-    root = ExportRoot(model)
-    inputs = (tuple(args), dict(kwargs))
+    inputs, changed = exportable_inputs((tuple(args), dict(kwargs)))
+    root = ExportRoot(model, changed)
     with preserved_global_state(), quiet_export_logs():
         ep = torch.export.export(root, inputs, dynamic_shapes=dynamic_spec(inputs),
                                  strict=False)
