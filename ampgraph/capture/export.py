@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import io
 import logging
 import warnings
@@ -223,9 +224,11 @@ MAX_GUARDED_SHAPES = 1024
 
 
 def export_module(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
-    """Export ``model`` at aten level with dynamic dims; raises what torch.export raises."""
+    """Export ``model`` at aten level with dynamic dims; raises what torch.export raises, or
+    :class:`UnsupportedInput` without trying it."""
     register_hf_caches()
     inputs, changed = exportable_inputs((tuple(args), dict(kwargs)))
+    check_exportable(*inputs)
     root = ExportRoot(model, changed)
     with preserved_global_state(), quiet_export_logs():
         ep = torch.export.export(root, inputs, dynamic_shapes=dynamic_spec(inputs),
@@ -246,6 +249,40 @@ def export_module(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
             dims.append(tuple(_dim_spec(s, ranges) for s in node.meta["val"].shape))
     _, out_spec, writeback = strip_tensors(root.__dict__["_out_spec"]())
     return Captured(gm, out_spec, dims, writeback, guards)
+
+
+class UnsupportedInput(TypeError):
+    """An input torch.export cannot take: the module runs eagerly (see :func:`check_exportable`)."""
+
+
+# what torch.export takes as an input leaf (pytree containers are flattened first)
+EXPORT_LEAVES = (torch.Tensor, bool, int, float, str, enum.Enum, nn.Module, torch.ScriptObject)
+
+
+def check_exportable(args: tuple, kwargs: dict) -> None:
+    """Raise :class:`UnsupportedInput`, naming the argument, if an input holds an object
+    torch.export cannot take (neither a tensor, a plain constant nor a container registered
+    with ``torch.utils._pytree``: e.g. transformers' ``KVSharingDict``), before export is
+    tried. Run it on :func:`~ampgraph.capture.structure.exportable_inputs`' result.
+
+    Example:
+        >>> check_exportable((object(),), {})
+        Traceback (most recent call last):
+        ...
+        ampgraph.capture.export.UnsupportedInput: argument 0 is a builtins.object, ...
+    """
+    named = [(f"argument {i}", a) for i, a in enumerate(args)]
+    named += [(f"argument `{k}`", v) for k, v in kwargs.items()]
+    for name, value in named:
+        for leaf in pytree.tree_leaves(value):
+            if leaf is not None and not isinstance(leaf, EXPORT_LEAVES):
+                kind = type(leaf)
+                raise UnsupportedInput(
+                    f"{name} is a {kind.__module__}.{kind.__qualname__}, which torch.export "
+                    "cannot take as an input (tensors, None, bool, int, float, str and "
+                    "containers registered with torch.utils._pytree can be taken); register "
+                    "the type with torch.utils._pytree.register_pytree_node to capture the "
+                    "module")
 
 
 def _hoist_guards(gm: fx.GraphModule, leaves: list[Any]) -> nn.Module | None:

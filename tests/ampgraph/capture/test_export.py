@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import logging
 import sys
 import warnings
@@ -16,6 +17,8 @@ import ampgraph
 from ampgraph.capture.export import (
     Captured,
     ExportRoot,
+    UnsupportedInput,
+    check_exportable,
     dynamic_spec,
     export_module,
     flatten_inputs,
@@ -194,6 +197,21 @@ def test_a_size_and_constants_export_refuses_are_given_back_to_the_model():
         != signature((x, torch.Size([3, 2, 4])), kwargs), "the size's ints key the graph"
     assert signature((x, torch.Size([2, 3, 4])), kwargs) \
         != signature((x, torch.Size([2, 3, 4])), {**kwargs, "dtype": torch.float16})
+
+
+class Registry(collections.UserDict):
+    """An unregistered mapping the model writes into (as transformers' KVSharingDict)."""
+
+
+def test_an_input_export_cannot_take_is_named_before_export_is_tried():
+    check_exportable((torch.ones(2), None, True, 1, 2.0, "s", nn.Linear(1, 1)), {"k": [None]})
+    with pytest.raises(UnsupportedInput, match=r"argument `shared` is a .*\.Registry, which "
+                                                 r"torch.export cannot take"):
+        check_exportable((torch.ones(2),), {"shared": Registry()})
+    with pytest.raises(UnsupportedInput, match="argument 1 is a builtins.function"):
+        check_exportable((torch.ones(2), [lambda: 0]), {})
+    with pytest.raises(UnsupportedInput, match="argument 0 is a"):
+        export_module(Scaled(), (Registry(),), {})
 
 
 def test_quiet_export_logs_silences_loggers_and_stderr_but_not_warnings(capsys):

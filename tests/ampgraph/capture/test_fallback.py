@@ -3,6 +3,8 @@ submodule (the eager plan), and say so."""
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 from torch import nn
@@ -162,6 +164,52 @@ def test_children_taking_a_size_a_tuple_and_a_list_are_compiled_on_their_own():
     assert list(eager) == ["<root>"], eager
     with torch.no_grad():  # another length: the size's ints are constants of the graph
         assert cosine(net(x[:, :3]), model(x[:, :3])) >= 0.99
+
+
+class Store(nn.Module):
+    """Writes into, or reads from, a mapping torch.export cannot take (as Gemma 3n's
+    attention does with transformers' KVSharingDict)."""
+
+    def __init__(self, d, reads: bool):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.reads = reads
+
+    def forward(self, h, shared):
+        if self.reads:
+            return self.fc(h) + shared["h"]
+        shared["h"] = self.fc(h)
+        return h
+
+
+class Sharing(nn.Module):
+    def __init__(self, d=16):
+        super().__init__()
+        self.first, self.second = Store(d, reads=False), Store(d, reads=True)
+        self.head = nn.Linear(d, 4)
+
+    def forward(self, x):
+        shared = collections.UserDict()
+        h = self.second(self.first(x, shared), shared)
+        if h.abs().mean() > 10:  # data-dependent Python control flow
+            h = h / 10
+        return self.head(h)
+
+
+def test_a_child_given_an_input_export_cannot_take_runs_its_code_eagerly_and_says_why():
+    torch.manual_seed(0)
+    model = Sharing().eval()
+    net = ampgraph.compile(model, "O2", "bf16")
+    x = torch.randn(3, 16)
+    with pytest.warns(UserWarning, match="could not be captured whole"), torch.no_grad():
+        out, rec = record(lambda: net(x))
+    with torch.no_grad():
+        assert cosine(out, model(x)) >= 0.99
+    eager = {e.path: e.reason for e in ampgraph.explain(net).eager}
+    assert set(eager) == {"<root>", "first", "second"}
+    assert eager["first"].startswith("input not capturable: argument 1 is a collections.UserDict")
+    assert {d[0] for _, d in rec.inputs_of(MATMUL_OPS)} == {torch.bfloat16}, \
+        "the eager children's own children are compiled"
 
 
 @pytest.mark.slow  # ~10 s: LED's encoder, layers and attention fall back one by one
