@@ -24,6 +24,7 @@ from torch import fx, nn
 
 from ampgraph.capture import (
     Captured,
+    UnsupportedInput,
     direct_runner,
     export_module,
     flatten_inputs,
@@ -298,7 +299,8 @@ class AmpModule(nn.Module):
             captured = export_module(model, args, kwargs)
         except Exception as exc:  # untraceable code: compile the children on their own
             if first:
-                self._go_eager(f"torch.export failed: {_first_line(exc)}")
+                self._go_eager(f"input not capturable: {exc}" if isinstance(exc, UnsupportedInput)
+                               else f"torch.export failed: {_first_line(exc)}")
             else:
                 warnings.warn(f"ampgraph: {self._amp_path or type(model).__name__} could not be "
                               f"captured for these input shapes ({_first_line(exc)}); calls "

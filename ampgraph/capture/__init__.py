@@ -20,6 +20,8 @@ from ampgraph.capture.codegen import direct_runner
 from ampgraph.capture.export import (
     Captured,
     ExportRoot,
+    UnsupportedInput,
+    check_exportable,
     dynamic_spec,
     export_module,
     flatten_inputs,
@@ -35,6 +37,8 @@ from ampgraph.capture.structure import flatten_output, unflatten_output
 __all__ = [
     "Captured",
     "ExportRoot",
+    "UnsupportedInput",
+    "check_exportable",
     "direct_runner",
     "dynamic_spec",
     "export_module",

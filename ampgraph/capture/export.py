@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import io
 import logging
 import warnings
@@ -27,6 +28,8 @@ from ampgraph.capture.structure import (
     assign_contents,
     contents_changed,
     custom_objects,
+    exportable_inputs,
+    restored_inputs,
     spec_uses_inputs,
     strip_tensors,
     unflatten_output,
@@ -38,13 +41,17 @@ class ExportRoot(nn.Module):
     """Exports ``model(*args, **kwargs)`` with flat outputs, sharing the model's state.
 
     Its parameter, buffer and submodule dicts *are* the model's, so the exported graph
-    refers to the user's own Parameter objects under the user's own names.
+    refers to the user's own Parameter objects under the user's own names. ``changed`` says
+    where export is given another form of the inputs (a ``torch.Size`` as a tuple, a dtype
+    as None: :func:`~ampgraph.capture.structure.exportable_inputs`): the model gets the
+    originals back.
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, changed: Any = None):
         super().__init__()
         share_state(self, model)
         self.__dict__["_amp_model"] = model
+        self.__dict__["_amp_changed"] = changed
         box: dict[str, Any] = {}
         # torch.export restores container attributes the forward mutates, so the output
         # spec goes to a box only a closure can see.
@@ -52,6 +59,7 @@ class ExportRoot(nn.Module):
         self.__dict__["_out_spec"] = lambda: box["spec"]
 
     def forward(self, args: tuple, kwargs: dict) -> tuple:
+        args, kwargs = restored_inputs((args, kwargs), self.__dict__["_amp_changed"])
         objs = custom_objects((args, kwargs))
         before = [pytree.tree_flatten(o) for o in objs]
         out = self.__dict__["_amp_model"](*args, **kwargs)
@@ -78,8 +86,17 @@ def share_state(dst: nn.Module, src: nn.Module) -> None:
 def dynamic_spec(inputs: Any) -> Any:
     """Every dimension of every tensor input may be dynamic (export specialises as needed).
 
-    A registered pytree node that is not a built-in container (a HuggingFace cache) gets
-    the list of its children's specs, which is what torch.export expects for such types.
+    The spec has the inputs' structure: built-in containers as themselves (tuples as
+    tuples, lists as lists), None for each non-tensor leaf. A registered pytree node that
+    is not a built-in container (a HuggingFace cache) gets its children's specs in the
+    sequence its flatten returns them in, which is what torch.export expects for such
+    types. (A ``torch.Size`` input has no spec export accepts: :func:`export_module` gives
+    export a tuple instead, see :func:`~ampgraph.capture.structure.exportable_inputs`.)
+
+    Example:
+        >>> spec = dynamic_spec(((torch.ones(2), (1, 2)), {"mask": None}))
+        >>> spec[0][0] == {0: Dim.AUTO}, spec[0][1], spec[1]
+        (True, (None, None), {'mask': None})
     """
     def spec(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
@@ -92,7 +109,8 @@ def dynamic_spec(inputs: Any) -> Any:
         specs = [spec(c) for c in children]
         if node_type in BUILTIN_NODE_TYPES:
             return node.unflatten_fn(specs, context)
-        return specs  # e.g. a cache, a ModelOutput passed back in (encoder_outputs)
+        # e.g. a cache, a ModelOutput passed back in (encoder_outputs)
+        return tuple(specs) if type(children) is tuple else specs
 
     return spec(inputs)
 
@@ -206,10 +224,12 @@ MAX_GUARDED_SHAPES = 1024
 
 
 def export_module(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
-    """Export ``model`` at aten level with dynamic dims; raises what torch.export raises."""
+    """Export ``model`` at aten level with dynamic dims; raises what torch.export raises, or
+    :class:`UnsupportedInput` without trying it."""
     register_hf_caches(rescan=True)
-    root = ExportRoot(model)
-    inputs = (tuple(args), dict(kwargs))
+    inputs, changed = exportable_inputs((tuple(args), dict(kwargs)))
+    check_exportable(*inputs)
+    root = ExportRoot(model, changed)
     with preserved_global_state(), quiet_export_logs():
         ep = torch.export.export(root, inputs, dynamic_shapes=dynamic_spec(inputs),
                                  strict=False)
@@ -229,6 +249,40 @@ def export_module(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
             dims.append(tuple(_dim_spec(s, ranges) for s in node.meta["val"].shape))
     _, out_spec, writeback = strip_tensors(root.__dict__["_out_spec"]())
     return Captured(gm, out_spec, dims, writeback, guards)
+
+
+class UnsupportedInput(TypeError):
+    """An input torch.export cannot take: the module runs eagerly (see :func:`check_exportable`)."""
+
+
+# what torch.export takes as an input leaf (pytree containers are flattened first)
+EXPORT_LEAVES = (torch.Tensor, bool, int, float, str, enum.Enum, nn.Module, torch.ScriptObject)
+
+
+def check_exportable(args: tuple, kwargs: dict) -> None:
+    """Raise :class:`UnsupportedInput`, naming the argument, if an input holds an object
+    torch.export cannot take (neither a tensor, a plain constant nor a container registered
+    with ``torch.utils._pytree``: e.g. transformers' ``KVSharingDict``), before export is
+    tried. Run it on :func:`~ampgraph.capture.structure.exportable_inputs`' result.
+
+    Example:
+        >>> check_exportable((object(),), {})
+        Traceback (most recent call last):
+        ...
+        ampgraph.capture.export.UnsupportedInput: argument 0 is a builtins.object, ...
+    """
+    named = [(f"argument {i}", a) for i, a in enumerate(args)]
+    named += [(f"argument `{k}`", v) for k, v in kwargs.items()]
+    for name, value in named:
+        for leaf in pytree.tree_leaves(value):
+            if leaf is not None and not isinstance(leaf, EXPORT_LEAVES):
+                kind = type(leaf)
+                raise UnsupportedInput(
+                    f"{name} is a {kind.__module__}.{kind.__qualname__}, which torch.export "
+                    "cannot take as an input (tensors, None, bool, int, float, str and "
+                    "containers registered with torch.utils._pytree can be taken); register "
+                    "the type with torch.utils._pytree.register_pytree_node to capture the "
+                    "module")
 
 
 def _hoist_guards(gm: fx.GraphModule, leaves: list[Any]) -> nn.Module | None:

@@ -169,6 +169,82 @@ def strip_tensors(spec: Any) -> Any:
     return spec
 
 
+# constants torch.export refuses as inputs (it takes None, bool, int, float, str, enums)
+BAKED_CONSTANTS = (torch.dtype, torch.device, torch.memory_format, torch.layout, complex, bytes,
+                   type(...))
+
+
+@dataclasses.dataclass(frozen=True)
+class Baked:
+    """Where :func:`exportable_inputs` put None in place of a constant: its value."""
+
+    value: Any
+
+
+def exportable_inputs(tree: Any) -> tuple[Any, Any]:
+    """``tree`` as torch.export can take it, and where it was changed (None when nowhere:
+    ``tree`` itself comes back). Only built-in containers are searched.
+
+    - A ``torch.Size`` becomes a tuple of its ints: export checks a size's
+      ``dynamic_shapes`` against the size rebuilt as a tuple, then flattens the size to a
+      list, and no spec passes both. A tuple of the same ints has one spec that does.
+    - A constant export refuses as an input (a dtype, a device, a complex number:
+      :data:`BAKED_CONSTANTS`) becomes None. Export bakes constants into the graph anyway,
+      and ampgraph keys its graphs on their values (``signature``).
+
+    The exported root gives the model its inputs back (:func:`restored_inputs`).
+
+    Example:
+        >>> exportable_inputs(((torch.Size([2, 3]), torch.float16), {}))
+        ((((2, 3), None), {}), [[True, Baked(value=torch.float16)], None])
+    """
+    if type(tree) is torch.Size:
+        return tuple(tree), True
+    if isinstance(tree, BAKED_CONSTANTS):
+        return None, Baked(tree)
+    if isinstance(tree, dict) and type(tree) in pytree.BUILTIN_TYPES:
+        pairs = {k: exportable_inputs(v) for k, v in tree.items()}
+        if all(w is None for _, w in pairs.values()):
+            return tree, None
+        out = tree.copy()
+        out.update((k, v) for k, (v, _) in pairs.items())
+        return out, {k: w for k, (_, w) in pairs.items()}
+    if type(tree) in (tuple, list) or _is_namedtuple(tree):
+        items = [exportable_inputs(v) for v in tree]
+        if all(w is None for _, w in items):
+            return tree, None
+        return _same_sequence(tree, [v for v, _ in items]), [w for _, w in items]
+    return tree, None
+
+
+def restored_inputs(tree: Any, where: Any) -> Any:
+    """Inverse of :func:`exportable_inputs`: the sizes and constants put back at ``where``.
+
+    Example:
+        >>> restored_inputs(((2, 3), None), [True, Baked(torch.float16)])
+        (torch.Size([2, 3]), torch.float16)
+    """
+    if where is None:
+        return tree
+    if where is True:
+        return torch.Size(tree)
+    if isinstance(where, Baked):
+        return where.value
+    if isinstance(where, dict):
+        out = tree.copy()
+        out.update((k, restored_inputs(tree[k], w)) for k, w in where.items())
+        return out
+    return _same_sequence(tree, [restored_inputs(v, w) for v, w in zip(tree, where)])
+
+
+def _is_namedtuple(x: Any) -> bool:
+    return isinstance(x, tuple) and hasattr(x, "_fields")
+
+
+def _same_sequence(like: Any, items: list) -> Any:
+    return type(like)(*items) if _is_namedtuple(like) else type(like)(items)
+
+
 def _empty_like(d: dict) -> dict:
     out = d.copy()
     out.clear()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import logging
 import sys
 import warnings
@@ -10,11 +11,14 @@ import pytest
 import torch
 from torch import nn
 from torch.export import Dim
+from torch.utils import _pytree as pytree
 
 import ampgraph
 from ampgraph.capture.export import (
     Captured,
     ExportRoot,
+    UnsupportedInput,
+    check_exportable,
     dynamic_spec,
     export_module,
     flatten_inputs,
@@ -132,6 +136,82 @@ def test_dynamic_spec_marks_every_dimension_auto():
     spec = dynamic_spec(((torch.ones(2, 3), 1.0), {"mask": torch.ones(4), "k": None}))
     assert spec[0][0] == {0: Dim.AUTO, 1: Dim.AUTO} and spec[0][1] is None
     assert spec[1] == {"mask": {0: Dim.AUTO}, "k": None}
+
+
+def test_dynamic_spec_follows_the_inputs_containers_exactly():
+    x = torch.ones(2)
+    spec = dynamic_spec(((x, (x, 1), [x, None]), {"shape": (2, 3), "opts": [1.0]}))
+    assert type(spec[0][1]) is tuple and spec[0][1][1] is None
+    assert type(spec[0][2]) is list and spec[0][2][1] is None
+    assert spec[1] == {"shape": (None, None), "opts": [None]}
+    assert type(spec[1]["shape"]) is tuple and type(spec[1]["opts"]) is list
+
+
+class Pair:
+    def __init__(self, a, b):
+        self.a, self.b = a, b
+
+
+class Product(nn.Module):
+    def forward(self, pair):
+        return pair.a * pair.b
+
+
+def test_dynamic_spec_of_a_registered_node_is_the_sequence_its_flatten_returns():
+    pytree.register_pytree_node(
+        Pair, lambda p: ((p.a, p.b), None), lambda children, _: Pair(*children),
+        flatten_with_keys_fn=lambda p: (((pytree.GetAttrKey("a"), p.a),
+                                         (pytree.GetAttrKey("b"), p.b)), None))
+    try:
+        spec = dynamic_spec(((Pair(torch.ones(2), 3.0),), {}))
+        captured = export_module(Product(), (Pair(torch.ones(2), 3.0),), {})  # a list: refused
+    finally:
+        pytree._deregister_pytree_node(Pair)
+    assert spec[0][0] == ({0: Dim.AUTO}, None) and type(spec[0][0]) is tuple
+    assert len(captured.dims) == 1 and not isinstance(captured.dims[0][0], int)
+
+
+class TakesShape(nn.Module):
+    """Arguments torch.export takes with no ``dynamic_shapes`` (a size) or not at all."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x, shape, dtype=None, device=None):
+        assert type(shape) is torch.Size and isinstance(dtype, torch.dtype), "as the caller gave"
+        return self.fc(x).reshape(shape).to(dtype=dtype, device=device)
+
+
+def test_a_size_and_constants_export_refuses_are_given_back_to_the_model():
+    model = TakesShape()
+    x = torch.randn(6, 4)
+    kwargs = {"dtype": torch.float64, "device": torch.device("cpu")}
+    captured = export_module(model, (x, torch.Size([2, 3, 4])), kwargs)
+    assert len(captured.dims) == 1, "the size's ints and the constants are not tensor inputs"
+    y = torch.randn(6, 4)
+    out = captured.rebuild(captured.gm((y, torch.Size([2, 3, 4])), kwargs), (y,), kwargs)
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, model(y, torch.Size([2, 3, 4]), **kwargs))
+    assert signature((x, torch.Size([2, 3, 4])), kwargs) \
+        != signature((x, torch.Size([3, 2, 4])), kwargs), "the size's ints key the graph"
+    assert signature((x, torch.Size([2, 3, 4])), kwargs) \
+        != signature((x, torch.Size([2, 3, 4])), {**kwargs, "dtype": torch.float16})
+
+
+class Registry(collections.UserDict):
+    """An unregistered mapping the model writes into (as transformers' KVSharingDict)."""
+
+
+def test_an_input_export_cannot_take_is_named_before_export_is_tried():
+    check_exportable((torch.ones(2), None, True, 1, 2.0, "s", nn.Linear(1, 1)), {"k": [None]})
+    with pytest.raises(UnsupportedInput, match=r"argument `shared` is a .*\.Registry, which "
+                                                 r"torch.export cannot take"):
+        check_exportable((torch.ones(2),), {"shared": Registry()})
+    with pytest.raises(UnsupportedInput, match="argument 1 is a builtins.function"):
+        check_exportable((torch.ones(2), [lambda: 0]), {})
+    with pytest.raises(UnsupportedInput, match="argument 0 is a"):
+        export_module(Scaled(), (Registry(),), {})
 
 
 def test_quiet_export_logs_silences_loggers_and_stderr_but_not_warnings(capsys):

@@ -3,6 +3,8 @@ submodule (the eager plan), and say so."""
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 from torch import nn
@@ -109,3 +111,155 @@ def test_compiled_children_are_the_outermost_of_their_kind():
     holder = nn.Sequential(nn.Sequential(nested))
     assert compiled_children(holder, Marked) == [nested], "not inside a found one"
     assert compiled_children(nn.Linear(2, 2), Marked) == []
+
+
+class Positions(nn.Embedding):
+    """Takes the input's ``torch.Size`` (as HuggingFace's LED position embeddings do)."""
+
+    def forward(self, shape: torch.Size, offset: int = 0):
+        _, seq = shape[:2]
+        assert type(shape) is torch.Size, "the child gets the caller's type"
+        return super().forward(torch.arange(offset, offset + seq))
+
+
+class Mix(nn.Module):
+    """Takes a tuple and a list of tensors."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, pair: tuple, extra: list):
+        return self.fc(pair[0]) + pair[1] * extra[0]
+
+
+class ShapeTaking(nn.Module):
+    """Not exportable whole; its children take a torch.Size, a tuple and a list."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.embed = nn.Linear(8, d)
+        self.pos = Positions(32, d)
+        self.mix = Mix(d)
+        self.head = nn.Linear(d, 4)
+
+    def forward(self, x):
+        h = self.embed(x) + self.pos(x.shape[:2])
+        if h.abs().mean() > 10:  # data-dependent Python control flow
+            h = h / 10
+        return self.head(self.mix((h, h), [h]))
+
+
+def test_children_taking_a_size_a_tuple_and_a_list_are_compiled_on_their_own():
+    torch.manual_seed(0)
+    model = ShapeTaking().eval()
+    net = ampgraph.compile(model, "O2", "bf16")
+    x = torch.randn(2, 5, 8)
+    with pytest.warns(UserWarning, match="could not be captured whole"), torch.no_grad():
+        out = net(x)
+    with torch.no_grad():
+        ref = model(x)
+    assert cosine(out, ref) >= 0.99
+    eager = {e.path: e.reason for e in ampgraph.explain(net).eager}
+    assert list(eager) == ["<root>"], eager
+    with torch.no_grad():  # another length: the size's ints are constants of the graph
+        assert cosine(net(x[:, :3]), model(x[:, :3])) >= 0.99
+
+
+class Store(nn.Module):
+    """Writes into, or reads from, a mapping torch.export cannot take (as Gemma 3n's
+    attention does with transformers' KVSharingDict)."""
+
+    def __init__(self, d, reads: bool):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.reads = reads
+
+    def forward(self, h, shared):
+        if self.reads:
+            return self.fc(h) + shared["h"]
+        shared["h"] = self.fc(h)
+        return h
+
+
+class Sharing(nn.Module):
+    def __init__(self, d=16):
+        super().__init__()
+        self.first, self.second = Store(d, reads=False), Store(d, reads=True)
+        self.head = nn.Linear(d, 4)
+
+    def forward(self, x):
+        shared = collections.UserDict()
+        h = self.second(self.first(x, shared), shared)
+        if h.abs().mean() > 10:  # data-dependent Python control flow
+            h = h / 10
+        return self.head(h)
+
+
+def test_a_child_given_an_input_export_cannot_take_runs_its_code_eagerly_and_says_why():
+    torch.manual_seed(0)
+    model = Sharing().eval()
+    net = ampgraph.compile(model, "O2", "bf16")
+    x = torch.randn(3, 16)
+    with pytest.warns(UserWarning, match="could not be captured whole"), torch.no_grad():
+        out, rec = record(lambda: net(x))
+    with torch.no_grad():
+        assert cosine(out, model(x)) >= 0.99
+    eager = {e.path: e.reason for e in ampgraph.explain(net).eager}
+    assert set(eager) == {"<root>", "first", "second"}
+    assert eager["first"].startswith("input not capturable: argument 1 is a collections.UserDict")
+    assert {d[0] for _, d in rec.inputs_of(MATMUL_OPS)} == {torch.bfloat16}, \
+        "the eager children's own children are compiled"
+
+
+@pytest.mark.slow  # ~10 s: LED's encoder, layers and attention fall back one by one
+def test_hf_led_falls_back_per_submodule_and_its_position_embeddings_are_compiled():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LEDConfig(
+        vocab_size=100, d_model=32, encoder_layers=1, decoder_layers=1,
+        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
+        decoder_ffn_dim=64, max_encoder_position_embeddings=64,
+        max_decoder_position_embeddings=64, attention_window=4)
+    torch.manual_seed(0)
+    model = transformers.LEDForConditionalGeneration(config).eval()
+    ids = torch.randint(3, 100, (2, 16), generator=torch.Generator().manual_seed(1))
+    inputs = {"input_ids": ids, "decoder_input_ids": ids[:, :8]}
+    net = ampgraph.compile(model, "O2", "bf16")
+    with pytest.warns(UserWarning, match="could not be captured whole"), torch.no_grad():
+        out = net(**inputs).logits
+    with torch.no_grad():
+        ref = model(**inputs).logits
+    assert cosine(out, ref) >= 0.99
+    eager = {e.path: e.reason for e in ampgraph.explain(net).eager}
+    assert "led.encoder" in eager, "the encoder's longformer attention is data-dependent"
+    assert "led.encoder.embed_positions" not in eager, "it takes a torch.Size: compiled"
+
+
+def tiny_ibert(transformers):
+    return transformers.IBertModel(transformers.IBertConfig(
+        vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0)).train()  # QuantAct's range statistics
+
+
+def tiny_longformer(transformers):
+    return transformers.LongformerModel(transformers.LongformerConfig(
+        vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=64, attention_window=4)).eval()
+
+
+@pytest.mark.slow  # 3-6 s each
+@pytest.mark.parametrize("build", [tiny_ibert, tiny_longformer])
+def test_hf_models_with_data_dependent_guards_fall_back_and_match_fp32(build):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = build(transformers)
+    ids = torch.randint(3, 100, (2, 16), generator=torch.Generator().manual_seed(1))
+    net = ampgraph.compile(model, "O2", "bf16")
+    with pytest.warns(UserWarning, match="data-dependent"), torch.no_grad():
+        out = net(input_ids=ids).last_hidden_state
+    with torch.no_grad():
+        ref = model(input_ids=ids).last_hidden_state
+    assert cosine(out, ref) >= 0.99
+    graphs, eager = net.amp_parts()
+    assert eager[0].path == "<root>" and graphs, "the children that can be are compiled"

@@ -12,10 +12,13 @@ from torch.utils import _pytree as pytree
 
 import ampgraph
 from ampgraph.capture.structure import (
+    Baked,
     assign_contents,
     contents_changed,
     custom_objects,
+    exportable_inputs,
     flatten_output,
+    restored_inputs,
     spec_uses_inputs,
     strip_tensors,
     unflatten_output,
@@ -182,3 +185,31 @@ def test_strip_tensors_drops_traced_tensors_from_templates():
     rebuilt = unflatten_output(stripped, [torch.full((1,), 2.0), torch.full((1,), 3.0)])
     assert rebuilt["cfg"].x.item() == 2.0 and rebuilt["cfg"].note == "n"
     assert rebuilt["d"]["x"].item() == 3.0
+
+
+def test_exportable_inputs_make_sizes_tuples_and_refused_constants_none_and_back():
+    Point = collections.namedtuple("Point", "x y")
+    x = torch.ones(2)
+    tree = ((x, torch.Size([2, 3]), [torch.float16, 1]),
+            {"p": Point(torch.Size([4]), x), "d": torch.device("cpu"), "k": None})
+    out, where = exportable_inputs(tree)
+    args, kwargs = out
+    assert type(args[1]) is tuple and args[1] == (2, 3)
+    assert args[2] == [None, 1] and kwargs["d"] is None and kwargs["k"] is None
+    assert type(kwargs["p"]) is Point and type(kwargs["p"].x) is tuple
+    assert args[0] is x and kwargs["p"].y is x
+    assert where[0][2] == [Baked(torch.float16), None]
+    back = restored_inputs(out, where)
+    assert back == tree
+    assert type(back[0][1]) is torch.Size and type(back[1]["p"].x) is torch.Size
+    assert type(back[1]["p"]) is Point
+
+
+def test_exportable_inputs_leave_a_tree_without_sizes_or_refused_constants_as_it_is():
+    x = torch.ones(2)
+    tree = ((x, (1, 2.0), [None]), {"mode": "a"})
+    out, where = exportable_inputs(tree)
+    assert out is tree and where is None and restored_inputs(out, where) is tree
+    holder = Frozen(torch.Size([2]))
+    assert exportable_inputs((holder,)) == ((holder,), None), \
+        "objects other than built-in containers are not searched"
