@@ -129,3 +129,41 @@ def test_packed_linear_smoke():
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = [line for line in proc.stdout.splitlines() if "max |diff|" in line]
     assert len(lines) == 2 or "does not run" in proc.stdout, proc.stdout
+
+
+@pytest.mark.slow
+def test_hf_sweep_runs_each_architecture_in_its_own_process(tmp_path):
+    """Three tiny architectures of transformers' auto mappings, each in a worker process:
+    one JSON line per architecture between the meta and summary lines, every criterion but
+    the (machine-dependent) compile time met, and the summary printed and written."""
+    out, md = tmp_path / "sweep.jsonl", tmp_path / "sweep.md"
+    proc = run("benchmarks/hf_sweep.py", "--only", "bert,gpt2,vit", "--json", str(out),
+               "--markdown", str(md))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["record"] for r in lines] == ["meta"] + ["architecture"] * 3 + ["summary"]
+    rows = {r["arch"]: r for r in lines[1:-1]}
+    assert {(a, r["kind"]) for a, r in rows.items()} == {("bert", "causal"),
+                                                         ("gpt2", "causal"), ("vit", "image")}
+    for name, row in rows.items():
+        assert row["status"] == "counted" and row["errors"] == {}, (name, row)
+        assert row["capture"]["status"] == row["capture_train"]["status"] == "whole graph"
+        checks = row["criteria"]
+        assert set(checks) == {"whole graph", "eval", "grad", "grad mode", "time"}
+        assert all(v for k, v in checks.items() if k != "time"), (name, checks)
+        assert row["o2_grads_finite"] and row["compile_s"] > 0
+        assert 0.99 <= row["o2_eval_cos"] <= 1.0 + 1e-9, (name, row["o2_eval_cos"])
+    summary = lines[-1]["text"]
+    assert summary.startswith("3 architectures: 3 counted, 0 listed apart")
+    assert summary in proc.stdout and "| gpt2 | causal | GPT2LMHeadModel |" in md.read_text()
+
+
+@pytest.mark.slow
+def test_hf_sweep_lists_a_timed_out_architecture_apart(tmp_path):
+    """A worker killed at its timeout before its fp32 reference leaves a row listed apart."""
+    out = tmp_path / "sweep.jsonl"
+    proc = run("benchmarks/hf_sweep.py", "--only", "gpt2", "--timeout", "1", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    row = json.loads(out.read_text().splitlines()[1])
+    assert row["status"] == "apart" and row["reason"].startswith("timeout (1 s)"), row
+    assert "1 x timeout (1 s)" in proc.stdout
