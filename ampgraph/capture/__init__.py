@@ -4,6 +4,7 @@ The ``no_grad`` regions export records are inlined right after export
 (``passes.fx.no_grad_regions``).
 
 - ``export``: the exported root taking ``(args, kwargs)``, ``export_module``, ``Captured``;
+- ``dynamic_dims``: which input dimensions export is asked to keep dynamic;
 - ``structure``: flattening outputs (and inputs) of any structure, rebuilding them;
 - ``hf_caches``: HuggingFace cache objects as pytree nodes;
 - ``state``: ``preserved_global_state``, around every export attempt;
@@ -16,10 +17,10 @@ The ``no_grad`` regions export records are inlined right after export
 from __future__ import annotations
 
 from ampgraph.capture.codegen import direct_runner
+from ampgraph.capture.dynamic_dims import dynamic_spec
 from ampgraph.capture.export import (
     Captured,
     ExportRoot,
-    dynamic_spec,
     export_module,
     flatten_inputs,
     quiet_export_logs,

@@ -15,14 +15,13 @@ from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.export import Dim
 from torch.utils import _pytree as pytree
 from torch.utils._pytree import tree_flatten
 
+from ampgraph.capture.dynamic_dims import dynamic_spec
 from ampgraph.capture.hf_caches import register_hf_caches
 from ampgraph.capture.state import preserved_global_state
 from ampgraph.capture.structure import (
-    BUILTIN_NODE_TYPES,
     Flattener,
     assign_contents,
     contents_changed,
@@ -73,28 +72,6 @@ def share_state(dst: nn.Module, src: nn.Module) -> None:
     for name in ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"):
         dst.__dict__[name] = src.__dict__[name]
     dst.training = src.training
-
-
-def dynamic_spec(inputs: Any) -> Any:
-    """Every dimension of every tensor input may be dynamic (export specialises as needed).
-
-    A registered pytree node that is not a built-in container (a HuggingFace cache) gets
-    the list of its children's specs, which is what torch.export expects for such types.
-    """
-    def spec(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            return {i: Dim.AUTO for i in range(x.dim())}
-        if pytree.tree_is_leaf(x):
-            return None
-        node_type = pytree._get_node_type(x)
-        node = pytree.SUPPORTED_NODES[node_type]
-        children, context = node.flatten_fn(x)
-        specs = [spec(c) for c in children]
-        if node_type in BUILTIN_NODE_TYPES:
-            return node.unflatten_fn(specs, context)
-        return specs  # e.g. a cache, a ModelOutput passed back in (encoder_outputs)
-
-    return spec(inputs)
 
 
 def signature(args: tuple, kwargs: dict) -> Any:

@@ -9,13 +9,11 @@ import warnings
 import pytest
 import torch
 from torch import nn
-from torch.export import Dim
 
 import ampgraph
 from ampgraph.capture.export import (
     Captured,
     ExportRoot,
-    dynamic_spec,
     export_module,
     flatten_inputs,
     quiet_export_logs,
@@ -126,12 +124,6 @@ def test_signature_keys_on_structure_dtypes_ranks_and_constants():
     leaves, spec = flatten_inputs((x, x), {})
     assert leaves == [x, x] and signature_of(leaves, spec) == signature((x, x), {})
     assert flatten_inputs((x, x), {})[1] is spec  # the spec of n positional tensors is kept
-
-
-def test_dynamic_spec_marks_every_dimension_auto():
-    spec = dynamic_spec(((torch.ones(2, 3), 1.0), {"mask": torch.ones(4), "k": None}))
-    assert spec[0][0] == {0: Dim.AUTO, 1: Dim.AUTO} and spec[0][1] is None
-    assert spec[1] == {"mask": {0: Dim.AUTO}, "k": None}
 
 
 def test_quiet_export_logs_silences_loggers_and_stderr_but_not_warnings(capsys):
