@@ -18,7 +18,7 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 from torch.utils._pytree import tree_flatten
 
-from ampgraph.capture.dynamic_dims import dynamic_spec
+from ampgraph.capture.dynamic_dims import dynamic_spec, image_channels
 from ampgraph.capture.hf_caches import register_hf_caches
 from ampgraph.capture.state import preserved_global_state
 from ampgraph.capture.structure import (
@@ -164,8 +164,8 @@ class Captured:
     def _guards_pass(self, leaves: list[Any], tensors: list[torch.Tensor]) -> bool:
         """Whether export's guards hold for these inputs, remembered per input shapes
         (non-tensor inputs are part of the graph's signature): they depend on nothing else,
-        and a model of windows and patches (Swin) has hundreds
-        (docs/performance.md#graph-overhead-on-small-models)."""
+        and symbolic sizes through windows and patches (Swin's, were its image sizes not
+        static) give hundreds (docs/performance.md#graph-overhead-on-small-models)."""
         shapes = tuple(t.shape for t in tensors)
         if shapes in self._guarded:
             return True
@@ -183,13 +183,14 @@ MAX_GUARDED_SHAPES = 1024
 
 
 def export_module(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
-    """Export ``model`` at aten level with dynamic dims; raises what torch.export raises."""
+    """Export ``model`` at aten level with dynamic dims (``dynamic_dims.dynamic_spec``: an
+    image's static past its batch); raises what torch.export raises."""
     register_hf_caches()
     root = ExportRoot(model)
     inputs = (tuple(args), dict(kwargs))
     with preserved_global_state(), quiet_export_logs():
-        ep = torch.export.export(root, inputs, dynamic_shapes=dynamic_spec(inputs),
-                                 strict=False)
+        ep = torch.export.export(root, inputs, strict=False,
+                                 dynamic_shapes=dynamic_spec(inputs, image_channels(model)))
     gm = ep.module()
     # The unlifted module checks its inputs' structure and shapes in a forward pre-hook
     # (docs/performance.md#graph-overhead-on-small-models). AmpModule already keys graphs on the
