@@ -29,9 +29,11 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     """Rewrite ``model``'s graph for mixed precision at ``amp_level``.
 
     The model is captured with ``torch.export`` on its first call (again when the mode or
-    the input structure changes); each node gets a precision by the level's rules and
-    casts are inserted where precision changes. Parameters stay fp32 and are shared with
-    ``model``; outputs come back in their original dtype.
+    the input structure changes, or when an input falls outside what the graph was
+    specialised on: batch and sequence sizes stay dynamic, an image batch a convolution of
+    the model takes keeps its channels, height and width); each node gets a precision by the
+    level's rules and casts are inserted where precision changes. Parameters stay fp32 and
+    are shared with ``model``; outputs come back in their original dtype.
 
     Args:
         model: the fp32 module.

@@ -43,6 +43,18 @@ def test_compile_scaling_smoke(tmp_path):
 
 
 @pytest.mark.slow
+def test_capture_time_reports_each_model_captured_whole(tmp_path):
+    out = tmp_path / "capture.json"
+    proc = run("benchmarks/capture_time.py", "--models", "swin,bert", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(out.read_text())
+    assert [r["model"] for r in rows] == ["swin", "bert"]
+    for row in rows:
+        assert row["eager_parts"] == 0 and row["nodes"] > 0 and row["cos"] > 0.99
+        assert row["total_s"] >= row["export_s"] + row["passes_s"] > 0
+
+
+@pytest.mark.slow
 def test_real_models_harness_smoke_mode(tmp_path):
     out = tmp_path / "real.json"
     proc = run("benchmarks/real_models.py", "--smoke", "--models", "bert,vit", "--modes",

@@ -4,6 +4,7 @@ The ``no_grad`` regions export records are inlined right after export
 (``passes.fx.no_grad_regions``).
 
 - ``export``: the exported root taking ``(args, kwargs)``, ``export_module``, ``Captured``;
+- ``dynamic_dims``: which input dimensions export is asked to keep dynamic;
 - ``structure``: flattening outputs (and inputs) of any structure, rebuilding them;
 - ``hf_caches``: every HuggingFace cache and cache-layer class as a pytree node;
 - ``object_nodes``: objects flattened by their attributes and rebuilt as the same class;
@@ -17,12 +18,12 @@ The ``no_grad`` regions export records are inlined right after export
 from __future__ import annotations
 
 from ampgraph.capture.codegen import direct_runner
+from ampgraph.capture.dynamic_dims import dynamic_spec
 from ampgraph.capture.export import (
     Captured,
     ExportRoot,
     UnsupportedInput,
     check_exportable,
-    dynamic_spec,
     export_module,
     flatten_inputs,
     quiet_export_logs,

@@ -16,14 +16,13 @@ from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.export import Dim
 from torch.utils import _pytree as pytree
 from torch.utils._pytree import tree_flatten
 
+from ampgraph.capture.dynamic_dims import dynamic_spec, image_channels
 from ampgraph.capture.hf_caches import register_hf_caches
 from ampgraph.capture.state import preserved_global_state
 from ampgraph.capture.structure import (
-    BUILTIN_NODE_TYPES,
     Flattener,
     assign_contents,
     contents_changed,
@@ -81,38 +80,6 @@ def share_state(dst: nn.Module, src: nn.Module) -> None:
     for name in ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"):
         dst.__dict__[name] = src.__dict__[name]
     dst.training = src.training
-
-
-def dynamic_spec(inputs: Any) -> Any:
-    """Every dimension of every tensor input may be dynamic (export specialises as needed).
-
-    The spec has the inputs' structure: built-in containers as themselves (tuples as
-    tuples, lists as lists), None for each non-tensor leaf. A registered pytree node that
-    is not a built-in container (a HuggingFace cache) gets its children's specs in the
-    sequence its flatten returns them in, which is what torch.export expects for such
-    types. (A ``torch.Size`` input has no spec export accepts: :func:`export_module` gives
-    export a tuple instead, see :func:`~ampgraph.capture.structure.exportable_inputs`.)
-
-    Example:
-        >>> spec = dynamic_spec(((torch.ones(2), (1, 2)), {"mask": None}))
-        >>> spec[0][0] == {0: Dim.AUTO}, spec[0][1], spec[1]
-        (True, (None, None), {'mask': None})
-    """
-    def spec(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            return {i: Dim.AUTO for i in range(x.dim())}
-        if pytree.tree_is_leaf(x):
-            return None
-        node_type = pytree._get_node_type(x)
-        node = pytree.SUPPORTED_NODES[node_type]
-        children, context = node.flatten_fn(x)
-        specs = [spec(c) for c in children]
-        if node_type in BUILTIN_NODE_TYPES:
-            return node.unflatten_fn(specs, context)
-        # e.g. a cache, a ModelOutput passed back in (encoder_outputs)
-        return tuple(specs) if type(children) is tuple else specs
-
-    return spec(inputs)
 
 
 def signature(args: tuple, kwargs: dict) -> Any:
@@ -205,8 +172,8 @@ class Captured:
     def _guards_pass(self, leaves: list[Any], tensors: list[torch.Tensor]) -> bool:
         """Whether export's guards hold for these inputs, remembered per input shapes
         (non-tensor inputs are part of the graph's signature): they depend on nothing else,
-        and a model of windows and patches (Swin) has hundreds
-        (docs/performance.md#graph-overhead-on-small-models)."""
+        and symbolic sizes through windows and patches (Swin's, were its image sizes not
+        static) give hundreds (docs/performance.md#graph-overhead-on-small-models)."""
         shapes = tuple(t.shape for t in tensors)
         if shapes in self._guarded:
             return True
@@ -224,15 +191,16 @@ MAX_GUARDED_SHAPES = 1024
 
 
 def export_module(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
-    """Export ``model`` at aten level with dynamic dims; raises what torch.export raises, or
+    """Export ``model`` at aten level with dynamic dims (``dynamic_dims.dynamic_spec``: an
+    image's static past its batch); raises what torch.export raises, or
     :class:`UnsupportedInput` without trying it."""
     register_hf_caches(rescan=True)
     inputs, changed = exportable_inputs((tuple(args), dict(kwargs)))
     check_exportable(*inputs)
     root = ExportRoot(model, changed)
     with preserved_global_state(), quiet_export_logs():
-        ep = torch.export.export(root, inputs, dynamic_shapes=dynamic_spec(inputs),
-                                 strict=False)
+        ep = torch.export.export(root, inputs, strict=False,
+                                 dynamic_shapes=dynamic_spec(inputs, image_channels(model)))
     gm = ep.module()
     # The unlifted module checks its inputs' structure and shapes in a forward pre-hook
     # (docs/performance.md#graph-overhead-on-small-models). AmpModule already keys graphs on the

@@ -10,8 +10,6 @@ import warnings
 import pytest
 import torch
 from torch import nn
-from torch.export import Dim
-from torch.utils import _pytree as pytree
 
 import ampgraph
 from ampgraph.capture.export import (
@@ -19,7 +17,6 @@ from ampgraph.capture.export import (
     ExportRoot,
     UnsupportedInput,
     check_exportable,
-    dynamic_spec,
     export_module,
     flatten_inputs,
     quiet_export_logs,
@@ -130,45 +127,6 @@ def test_signature_keys_on_structure_dtypes_ranks_and_constants():
     leaves, spec = flatten_inputs((x, x), {})
     assert leaves == [x, x] and signature_of(leaves, spec) == signature((x, x), {})
     assert flatten_inputs((x, x), {})[1] is spec  # the spec of n positional tensors is kept
-
-
-def test_dynamic_spec_marks_every_dimension_auto():
-    spec = dynamic_spec(((torch.ones(2, 3), 1.0), {"mask": torch.ones(4), "k": None}))
-    assert spec[0][0] == {0: Dim.AUTO, 1: Dim.AUTO} and spec[0][1] is None
-    assert spec[1] == {"mask": {0: Dim.AUTO}, "k": None}
-
-
-def test_dynamic_spec_follows_the_inputs_containers_exactly():
-    x = torch.ones(2)
-    spec = dynamic_spec(((x, (x, 1), [x, None]), {"shape": (2, 3), "opts": [1.0]}))
-    assert type(spec[0][1]) is tuple and spec[0][1][1] is None
-    assert type(spec[0][2]) is list and spec[0][2][1] is None
-    assert spec[1] == {"shape": (None, None), "opts": [None]}
-    assert type(spec[1]["shape"]) is tuple and type(spec[1]["opts"]) is list
-
-
-class Pair:
-    def __init__(self, a, b):
-        self.a, self.b = a, b
-
-
-class Product(nn.Module):
-    def forward(self, pair):
-        return pair.a * pair.b
-
-
-def test_dynamic_spec_of_a_registered_node_is_the_sequence_its_flatten_returns():
-    pytree.register_pytree_node(
-        Pair, lambda p: ((p.a, p.b), None), lambda children, _: Pair(*children),
-        flatten_with_keys_fn=lambda p: (((pytree.GetAttrKey("a"), p.a),
-                                         (pytree.GetAttrKey("b"), p.b)), None))
-    try:
-        spec = dynamic_spec(((Pair(torch.ones(2), 3.0),), {}))
-        captured = export_module(Product(), (Pair(torch.ones(2), 3.0),), {})  # a list: refused
-    finally:
-        pytree._deregister_pytree_node(Pair)
-    assert spec[0][0] == ({0: Dim.AUTO}, None) and type(spec[0][0]) is tuple
-    assert len(captured.dims) == 1 and not isinstance(captured.dims[0][0], int)
 
 
 class TakesShape(nn.Module):
