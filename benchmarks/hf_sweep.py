@@ -55,7 +55,7 @@ import torch  # noqa: E402
 from hf_tiny import build, default_fails  # noqa: E402
 from torch import nn  # noqa: E402
 from zoo import (  # noqa: E402 - zoo puts the repository root on sys.path
-    autocast,
+    autocast_cosines,
     class_rows,
     cosine,
     describe_capture,
@@ -148,21 +148,7 @@ def measure(arch: str, kind: str, class_name: str, save: Callable[[dict], None])
     row["stage"] = "autocast"
     save(row)
 
-    def ac_eval() -> float:
-        model.eval()
-        with torch.no_grad(), autocast():
-            return cosine(logits_of(model(**inputs)).float(), ref)
-
-    def ac_train() -> float:
-        model.train()
-
-        def call() -> Any:
-            with autocast():
-                return model(**inputs)
-        return cosine(train_grads(model, call, labels), ref_grads)
-
-    row["autocast_eval_cos"] = step(row, "autocast_eval", ac_eval)
-    row["autocast_grad_cos"] = step(row, "autocast_train", ac_train)
+    autocast_cosines(model, inputs, labels, ref, ref_grads, row)
     row.update(status="counted", stage="compile", grad_mode_kept=True)
     save(row)
     o2(model, inputs, ref, ref_grads, labels, row, save)

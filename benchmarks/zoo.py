@@ -614,6 +614,28 @@ def speed(model: nn.Module, net: nn.Module, inputs: dict, labels: torch.Tensor,
     return out
 
 
+def autocast_cosines(model: nn.Module, inputs: dict, labels: torch.Tensor, ref: torch.Tensor,
+                     ref_grads: torch.Tensor | None, row: dict[str, Any]) -> None:
+    """torch.autocast(bf16)'s eval logits and train-mode gradients against fp32's, into
+    ``row`` (``autocast_eval_cos``, ``autocast_grad_cos``: None without fp32 gradients)."""
+    def ac_eval() -> float:
+        model.eval()
+        with torch.no_grad(), autocast():
+            return cosine(logits_of(model(**inputs)).float(), ref)
+
+    def ac_train() -> float:
+        model.train()
+
+        def call() -> Any:
+            with autocast():
+                return model(**inputs)
+        return cosine(train_grads(model, call, labels), ref_grads)
+
+    row["autocast_eval_cos"] = step(row, "autocast_eval", ac_eval)
+    row["autocast_grad_cos"] = step(row, "autocast_train", ac_train) if ref_grads is not None \
+        else None
+
+
 def run_model(name: str, entry: Entry, skip_onnx: bool, skip_speed: bool,
               repeats: int) -> dict[str, Any]:
     row: dict[str, Any] = {"model": name, "family": entry.family, "capture": None,
@@ -659,23 +681,7 @@ def run_model(name: str, entry: Entry, skip_onnx: bool, skip_speed: bool,
     row["bf16_floor_grad_cos"] = step(row, "bf16_floor_train", floor) if ref_grads is not None \
         else None
 
-    # autocast
-    def ac_eval() -> float:
-        model.eval()
-        with torch.no_grad(), autocast():
-            return cosine(logits_of(model(**inputs)).float(), ref)
-
-    def ac_train() -> float:
-        model.train()
-
-        def call() -> Any:
-            with autocast():
-                return model(**inputs)
-        return cosine(train_grads(model, call, labels), ref_grads)
-
-    row["autocast_eval_cos"] = step(row, "autocast_eval", ac_eval)
-    row["autocast_grad_cos"] = step(row, "autocast_train", ac_train) if ref_grads is not None \
-        else None
+    autocast_cosines(model, inputs, labels, ref, ref_grads, row)
 
     # ampgraph O2 bf16
     net = step(row, "compile", lambda: ampgraph.compile(model, amp_level="O2", dtype="bf16"))
