@@ -59,6 +59,7 @@ from zoo import (  # noqa: E402 - zoo puts the repository root on sys.path
     class_rows,
     cosine,
     describe_capture,
+    fmt,
     logits_of,
     one_line,
     prepare_weights,
@@ -332,14 +333,6 @@ def run_one(arch: str, kind: str, class_name: str, timeout: float, threads: int)
         if not row["passed"]:
             row["failures"] = failure_reasons(row)
     return row
-
-
-def fmt(v: Any) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return "nan" if v != v else f"{v:.5f}"
-    return str(v)
 
 
 def table(rows: list[dict]) -> str:
