@@ -614,6 +614,28 @@ def speed(model: nn.Module, net: nn.Module, inputs: dict, labels: torch.Tensor,
     return out
 
 
+def bf16_floors(model: nn.Module, inputs: dict, labels: torch.Tensor, ref: torch.Tensor,
+                ref_grads: torch.Tensor | None, row: dict[str, Any]) -> None:
+    """The fp32 model on its weights and float inputs rounded to bf16 (fp32 arithmetic):
+    its eval logits and train-mode gradients against fp32's, into ``row``
+    (``bf16_floor_eval_cos``, ``bf16_floor_grad_cos``: None without fp32 gradients). How far
+    one bf16 rounding alone moves the result; well below 1, the measurement is
+    ill-conditioned for this random model (docs/zoo.md)."""
+    def eval_floor() -> float:
+        model.eval()
+        with torch.no_grad(), bf16_rounded(model, inputs) as rounded:
+            return cosine(logits_of(model(**rounded)).float(), ref)
+
+    def grad_floor() -> float:
+        model.train()
+        with bf16_rounded(model, inputs) as rounded:
+            return cosine(train_grads(model, lambda: model(**rounded), labels), ref_grads)
+
+    row["bf16_floor_eval_cos"] = step(row, "bf16_floor_eval", eval_floor)
+    row["bf16_floor_grad_cos"] = step(row, "bf16_floor_train", grad_floor) \
+        if ref_grads is not None else None
+
+
 def autocast_cosines(model: nn.Module, inputs: dict, labels: torch.Tensor, ref: torch.Tensor,
                      ref_grads: torch.Tensor | None, row: dict[str, Any]) -> None:
     """torch.autocast(bf16)'s eval logits and train-mode gradients against fp32's, into
@@ -666,21 +688,7 @@ def run_model(name: str, entry: Entry, skip_onnx: bool, skip_speed: bool,
     ref_grads = step(row, "fp32_train", lambda: train_grads(model, lambda: model(**inputs),
                                                              labels))
 
-    def eval_floor() -> float:  # the logits' sensitivity to one bf16 rounding (see docs)
-        model.eval()
-        with torch.no_grad(), bf16_rounded(model, inputs) as rounded:
-            return cosine(logits_of(model(**rounded)).float(), ref)
-
-    row["bf16_floor_eval_cos"] = step(row, "bf16_floor_eval", eval_floor)
-    model.train()
-
-    def floor() -> float:  # the gradients' sensitivity to one bf16 rounding (see docs)
-        with bf16_rounded(model, inputs) as rounded:
-            return cosine(train_grads(model, lambda: model(**rounded), labels), ref_grads)
-
-    row["bf16_floor_grad_cos"] = step(row, "bf16_floor_train", floor) if ref_grads is not None \
-        else None
-
+    bf16_floors(model, inputs, labels, ref, ref_grads, row)
     autocast_cosines(model, inputs, labels, ref, ref_grads, row)
 
     # ampgraph O2 bf16
