@@ -41,7 +41,8 @@ NAMES: list[tuple[int, set[str]]] = [  # (new int value, constructor parameters)
     (WIDTH, {"hidden_size", "d_model", "n_embd", "embed_dim", "dim", "embedding_size",
              "emb_dim", "d_embed", "embedding_dim", "word_embed_proj_dim", "projection_dim",
              "attention_hidden_size", "hidden_size_global", "audio_hidden_size",
-             "text_hidden_size", "vision_hidden_size", "encoder_hidden_size", "d_latents"}),
+             "text_hidden_size", "vision_hidden_size", "encoder_hidden_size", "d_latents",
+             "adapter_in_dim", "adapter_input_size", "adapter_out_dim"}),
     (LAYERS, LAYER_NAMES),
     (HEADS, HEAD_NAMES),
     (HEAD_DIM, {"head_dim", "d_kv", "attention_head_dim", "dim_head", "d_head", "kv_channels",
@@ -124,9 +125,9 @@ def shrink_value(name: str, value: Any, default: Any, ctx: Shrink) -> Any:
     channels = name in STAGE_WIDTHS or ("channels" in name and name != "num_channels")
     if isinstance(value, int):
         if name in KV_HEADS:
-            heads = next((getattr(default, n) for n in ("num_attention_heads", "n_head",
-                                                        "num_heads")
-                          if isinstance(getattr(default, n, None), int)), value)
+            stored = vars(default)  # not getattr: a per-layer config refuses global reads
+            heads = next((stored[n] for n in ("num_attention_heads", "n_head", "num_heads")
+                          if isinstance(stored.get(n), int)), value)
             return 1 if value < heads else HEADS
         if name in TOP_K:
             return min(value, 2)
@@ -194,7 +195,12 @@ def remap_ids(value: Any, ids: dict[int, int]) -> Any:
 def consistent(over: dict[str, Any], default: Any, params: Any) -> None:
     """Cross-parameter constraints the per-name rules do not keep."""
     def get(name: str) -> Any:
-        return over.get(name, getattr(default, name, None))
+        if name in over:
+            return over[name]
+        try:
+            return getattr(default, name, None)
+        except Exception:  # noqa: BLE001 - a per-layer config refuses global reads
+            return vars(default).get(name)
 
     # Mamba-2 style mixers: heads x head dim == the mixer's width (expand x hidden)
     for heads, head_dim, expand in (("num_heads", "head_dim", "expand"),
@@ -215,6 +221,8 @@ def consistent(over: dict[str, Any], default: Any, params: Any) -> None:
     types = get("attention_types")  # GPT-Neo: [[pattern, repeats]] spelling out the layers
     if isinstance(types, list) and len(types) == 1 and isinstance(types[0][0], list):
         over["attention_types"] = [[types[0][0], max(1, LAYERS // len(types[0][0]))]]
+    if getattr(default, "model_type", None) == "codegen":  # its attention splits the
+        over["n_head"] = 4                                 # heads 4 ways (mp_num)
     if "width_coefficient" in over and isinstance(get("hidden_dim"), int):
         # EfficientNet: the head's width is the scaled last stage's
         width = default.hidden_dim * over["width_coefficient"] / default.width_coefficient

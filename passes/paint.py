@@ -30,6 +30,11 @@ Rules (TensorFlow grappler's auto_mixed_precision, per level table in policy.py)
    are all fp32 ops stay fp32: low precision would add a cast on each side and round
    (RMSNorm's ``variance + eps`` between ``mean`` and ``rsqrt``). Not for a value the
    graph returns (``returned``: its dtype is the graph's output).
+7. Selection inputs (O1, O2): a selection op (top-k, sort, argmax: the ``selection``
+   group) and the INFER/CLEAR ops that make its float inputs, back to the nearest matrix
+   op, fp32 op or source, are fp32. In 16 bits the compared values tie (a MoE router's
+   sigmoid scores near 0.5 are 2**-8 apart in bf16) and the choice changes; autocast, which
+   keeps such ops in fp32 after the model's explicit ``.float()``, picks as fp32 does.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ from passes.policy import (
     NA,
     NORM,
     NORM_FP32,
+    SELECTION,
     LevelPolicy,
     OpInfo,
 )
@@ -97,6 +103,7 @@ def paint(graph: nx.DiGraph, policy: LevelPolicy) -> Assignment:
     has_module_rules = bool(policy.overrides.modules)
     o0 = policy.level == "O0"
     between: set | None = set() if policy.level == "O2" else None  # for rule 6
+    selecting = _selection_inputs(graph, policy) if policy.level in ("O1", "O2") else {}
     for v, data in graph.nodes(data=True):
         kind = data.get("kind", COMPUTE)
         if kind == SOURCE:
@@ -129,7 +136,11 @@ def paint(graph: nx.DiGraph, policy: LevelPolicy) -> Assignment:
             if forced is not None:
                 out[v] = decide(forced[0], f"module override: {forced[1]}", info.cls)
                 continue
-        if fixed is not None:
+        sel = selecting.get(v)
+        if sel is not None:  # rule 7
+            out[v] = decide(FP32, f"feeds the selection {sel}: 16-bit values would tie and "
+                                  "change what it picks", info.cls)
+        elif fixed is not None:
             out[v] = fixed
             if between is not None and info.cls == INFER and info.group != NORM:
                 between.add(v)  # (a norm low by the user's keep_batchnorm_fp32=False stays)
@@ -161,6 +172,41 @@ class _Decisions:
         if d is None:
             d = self._seen[key] = Decision(precision, reason, cls)
         return d
+
+
+def _selection_inputs(graph: nx.DiGraph, policy: LevelPolicy) -> dict[Hashable, Hashable]:
+    """Rule 7: vertex -> the selection vertex it feeds, for every compute selection vertex
+    and every INFER/CLEAR compute vertex on a path into one through such vertices (neither
+    forced by the dialect nor in a forced group, norms included)."""
+    groups: dict[str, tuple[str, str]] = {}  # op key -> (class, group)
+
+    def info(op: str) -> tuple[str, str]:
+        hit = groups.get(op)
+        if hit is None:
+            i = policy.op_info(op)
+            hit = groups[op] = (i.cls, i.group)
+        return hit
+
+    nodes = graph._node
+    fed: dict[Hashable, Hashable] = {}
+    stack = []
+    for v, data in nodes.items():
+        if "op" in data and info(data["op"])[1] == SELECTION:
+            stack.append((v, v))
+            if data.get("kind", COMPUTE) == COMPUTE and not data.get("forced"):
+                fed[v] = v
+    pred = graph._pred
+    while stack:
+        v, sel = stack.pop()
+        for u in pred[v]:
+            data = nodes[u]
+            if u in fed or data.get("kind", COMPUTE) != COMPUTE or data.get("forced"):
+                continue
+            cls, group = info(data.get("op", ""))
+            if cls in (INFER, CLEAR) and group not in FORCED_GROUPS and group != NORM:
+                fed[u] = sel
+                stack.append((u, sel))
+    return fed
 
 
 def _module_override(policy: LevelPolicy, data: dict, cache: dict) -> tuple[str, str] | None:

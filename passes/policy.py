@@ -150,6 +150,12 @@ LEVEL_REASON = {
 # have no 16-bit kernels (complex numbers, FFTs: fp32 even at O3, as autocast keeps them).
 NORM_FP32 = "norm_fp32"
 FP32_ONLY = "fp32_only"
+# Ops that pick entries by comparing values (top-k, sort, argmax): their float inputs are
+# made in fp32 back to the last matrix op or fp32 op (passes/paint.py, rule 7).
+SELECTION = "selection"
+SELECTION_REASON = (
+    "selects by comparing values: 16-bit values tie (a sigmoid's outputs near 0.5 are 2**-8 "
+    "apart in bf16) and the choice changes; its inputs are computed in fp32")
 FORCED_GROUPS = {"custom_allow": LOW, "custom_deny": FP32, NORM_FP32: FP32, FP32_ONLY: FP32}
 KEEP_NORM_FP32_DEFAULT = {"O0": True, "O1": True, "O2": True, "O3": False}
 

@@ -19,6 +19,8 @@ from passes.policy import (
     DENY,
     FP32_ONLY,
     NORM,
+    SELECTION,
+    SELECTION_REASON,
     LevelPolicy,
     OpGroup,
     OpTable,
@@ -122,8 +124,12 @@ FX_GROUPS: tuple[OpGroup, ...] = (
         "aten.relu aten.max_pool1d aten.max_pool2d aten.max_pool3d "
         "aten.max_pool2d_with_indices aten.max_pool3d_with_indices aten.adaptive_max_pool1d "
         "aten.adaptive_max_pool2d aten.adaptive_max_pool3d aten.maximum aten.minimum "
-        "aten.max aten.min aten.amax aten.amin aten.topk aten.sort aten.lift_fresh_copy "
-        "getitem",
+        "aten.max aten.min aten.amax aten.amin aten.lift_fresh_copy getitem",
+    ),
+    op_group(
+        SELECTION, CLEAR, SELECTION_REASON,
+        "aten.topk aten.sort aten.argsort aten.msort aten.argmax aten.argmin aten.kthvalue "
+        "aten.mode",
     ),
 )
 

@@ -24,6 +24,8 @@ from passes.policy import (
     DENY,
     FP32_ONLY,
     NORM,
+    SELECTION,
+    SELECTION_REASON,
     LevelPolicy,
     OpGroup,
     OpTable,
@@ -99,8 +101,9 @@ ONNX_GROUPS: tuple[OpGroup, ...] = (
         "Reshape Transpose Squeeze Unsqueeze Flatten Concat Split Slice Gather GatherElements "
         "GatherND Expand Pad Identity MaxPool GlobalMaxPool Relu Tile Where Max Min "
         "DepthToSpace SpaceToDepth Resize Upsample ScatterND ScatterElements Scatter "
-        "Compress ReverseSequence Trilu TopK Dropout Cast CastLike Shrink",
+        "Compress ReverseSequence Trilu Dropout Cast CastLike Shrink",
     ),
+    op_group(SELECTION, CLEAR, SELECTION_REASON, "TopK ArgMax ArgMin"),
 )
 
 ONNX_TABLE = OpTable(ONNX_GROUPS)

@@ -227,3 +227,39 @@ def test_o1_train_mode_attention_with_dropout_runs_its_matmuls_in_16_bit():
     assert attention and all(set(d[:3]) <= set(LOW) for d in attention)  # with dropout
     out.float().square().mean().backward()
     assert torch.isfinite(model.encoder.layer[0].attention.self.query.weight.grad).all()
+
+
+class SigmoidRouter(torch.nn.Module):
+    """DeepSeek-V3 / MiniMax-style MoE routing: sigmoid scores plus a correction bias, top-2
+    of 64 experts per token (the model's own ``.float()`` before the sigmoid)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = torch.nn.Linear(32, 64, bias=False)
+        torch.nn.init.normal_(self.gate.weight, std=0.02)  # scores near 0.5, as at init
+        self.register_buffer("bias", torch.zeros(64))
+
+    def forward(self, x):
+        scores = torch.sigmoid(self.gate(x).float()) + self.bias
+        return torch.topk(scores, 2, dim=-1).indices
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_router_picks_the_experts_its_fp32_scores_pick(level):
+    """Rule 7 (passes/paint.py): the sigmoid and the add feeding top-k run in fp32 on the
+    bf16 linear's logits, as under autocast. With the sigmoid in bf16, top-k picks other
+    experts for many tokens (the reference below shows it does)."""
+    torch.manual_seed(0)
+    model = SigmoidRouter()
+    x = torch.randn(512, 32)
+    net = ampgraph.compile(model, level, "bf16")
+    with torch.no_grad():
+        picked = net(x)
+        logits = torch.nn.functional.linear(x.bfloat16(), model.gate.weight.bfloat16())
+        want = torch.topk(torch.sigmoid(logits.float()) + model.bias, 2, dim=-1).indices
+        low = torch.topk(torch.sigmoid(logits) + model.bias.bfloat16(), 2, dim=-1).indices
+    assert not torch.equal(low.sort(-1).values, want.sort(-1).values)  # bf16 would differ
+    assert torch.equal(picked.sort(-1).values, want.sort(-1).values)
+    rows = {r["op"]: (r["precision"], r["reason"]) for r in ampgraph.explain(net).nodes}
+    assert rows["aten.linear"][0] == "bf16"
+    assert rows["aten.sigmoid"][0] == "fp32" and "feeds the selection" in rows["aten.sigmoid"][1]

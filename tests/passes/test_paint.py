@@ -216,3 +216,33 @@ def test_painter_rejects_a_cycle_among_clear_ops():
     with pytest.raises(nx.NetworkXUnfeasible):
         paint(g, make_policy("O2"))
 
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_selection_and_the_ops_making_its_inputs_are_fp32_back_to_the_matmul(level):
+    """A sigmoid MoE router: mm -> sigmoid -> add bias -> topk. In bf16 the sigmoid's scores
+    tie and top-k picks other experts (rule 7); the mm stays low, as autocast runs it."""
+    g = chain("mm", "sigmoid", "add", "topk", "gather", "mm")
+    p, a = precisions(g, level)
+    assert [p[k] for k in ("sigmoid", "add", "topk")] == [FP32] * 3
+    assert a["0:mm"].precision == a["5:mm"].precision == LOW
+    assert "feeds the selection 3:topk" in a["1:sigmoid"].reason
+    if level == "O2":  # after fp32 ops: the cast moves to the low consumer (rule 5)
+        assert p["gather"] == FP32
+    # an argmax (integer output): the float ops feeding it, not the argmax itself
+    g = chain("mm", "sigmoid")
+    g.add_node("argmax", kind="nonfloat", op="aten.argmax")
+    g.add_edge("1:sigmoid", "argmax")
+    p, _ = precisions(g, level)
+    assert (p["mm"], p["sigmoid"], p["argmax"]) == (LOW, FP32, NA)
+
+
+def test_a_selection_does_not_reach_past_fp32_ops_overrides_or_o3():
+    g = chain("mm", "softmax", "topk")  # softmax is fp32 already: nothing more
+    p, a = precisions(g, "O2")
+    assert (p["mm"], p["softmax"], p["topk"]) == (LOW, FP32, FP32)
+    g = chain("mm", "sigmoid", "topk")
+    nx.set_node_attributes(g, {"1:sigmoid": "router"}, "module")
+    p, a = precisions(g, "O2", module_rules=[("router", LOW, "module_overrides")])
+    assert p["sigmoid"] == LOW and "module override" in a["1:sigmoid"].reason
+    assert precisions(chain("mm", "sigmoid", "topk"), "O3")[0]["sigmoid"] == LOW
