@@ -58,7 +58,7 @@ def amp_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         attn_mask = None
     training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
                                             or v.requires_grad)
-    if not unfused_pays(q, k, v, attn_mask, dropout_p, enable_gqa, training, is_causal):
+    if not unfused_pays(q, k, v, attn_mask, dropout_p, enable_gqa, training):
         return _sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale=scale,
                      enable_gqa=enable_gqa)
     if k.shape[-3] != q.shape[-3]:  # grouped heads: the unfused kernel reads them repeated
@@ -70,7 +70,7 @@ def amp_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 def unfused_pays(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  attn_mask: torch.Tensor | None, dropout_p: float, enable_gqa: bool,
-                 training: bool = True, is_causal: bool = False) -> bool:
+                 training: bool = True) -> bool:
     """bf16 on the CPU, no batch broadcasting (grouped heads under ``enable_gqa`` are
     repeated for the unfused kernel, as ``repeat_kv`` did), a boolean or bf16 mask that
     needs no gradient and broadcasts to the scores, at least one key, and either dropout
