@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 import networkx as nx
 
+from passes.adjacency import Adjacency
 from passes.policy import (
     ALLOW,
     CLEAR,
@@ -147,7 +148,7 @@ def paint(graph: nx.DiGraph, policy: LevelPolicy) -> Assignment:
         else:
             pending[v] = base
     if pending or between:
-        compute = _Adjacency(graph, cls)
+        compute = Adjacency(graph, cls)
         paint_only = {v for v, how in pending.items() if how == "paint"}
         follow_only = {v for v, how in pending.items() if how == "follow"}
         if paint_only:
@@ -221,60 +222,6 @@ def _module_override(policy: LevelPolicy, data: dict, cache: dict) -> tuple[str,
     return hit
 
 
-class _Adjacency:
-    """The subgraph of ``graph`` induced by ``keep`` (what ``graph.subgraph(keep)`` shows).
-
-    Neighbours come in ``graph``'s order, read from its adjacency dicts on demand: networkx's
-    filtered subgraph views cost several times more per step on large graphs.
-    """
-
-    def __init__(self, graph: nx.DiGraph, keep: dict | set):
-        self.graph = graph
-        self.keep = keep
-        self._succ = graph._succ  # adjacency dicts: node -> {neighbour: edge data}
-        self._pred = graph._pred
-
-    def __contains__(self, v: Hashable) -> bool:
-        return v in self.keep
-
-    def successors(self, v: Hashable) -> list:
-        keep = self.keep
-        return [w for w in self._succ[v] if w in keep]
-
-    def predecessors(self, v: Hashable) -> list:
-        keep = self.keep
-        return [u for u in self._pred[v] if u in keep]
-
-    def topological_order(self, among: set) -> list:
-        """The vertices of ``among`` (all kept) in an order where each comes after its
-        predecessors in ``among`` (Kahn's algorithm over the edges between them, starting
-        in graph order); raises like ``nx.topological_sort`` if they form a cycle."""
-        succ, pred = self._succ, self._pred
-        nodes = [v for v in self.graph if v in among]
-        seen: set = set()
-        for v in nodes:  # graph order, when it already puts producers first (the usual case)
-            for u in pred[v]:
-                if u in among and u not in seen:
-                    break
-            else:
-                seen.add(v)
-                continue
-            break
-        else:
-            return nodes
-        indegree = {v: sum(1 for u in pred[v] if u in among) for v in nodes}
-        order = [v for v in nodes if not indegree[v]]
-        for v in order:  # grows while iterating
-            for w in succ[v]:
-                if w in among:
-                    indegree[w] -= 1
-                    if not indegree[w]:
-                        order.append(w)
-        if len(order) != len(nodes):
-            raise nx.NetworkXUnfeasible("Graph contains a cycle or graph changed during iteration")
-        return order
-
-
 def _fixed_reason(info: OpInfo, precision: str, level: str) -> str:
     if info.group in FORCED_GROUPS:
         return f"deny list: {info.reason}" if info.group == NORM_FP32 else info.reason
@@ -287,7 +234,7 @@ def _fixed_reason(info: OpInfo, precision: str, level: str) -> str:
     return f"{level}: whole network low precision ({info.cls} op: {info.reason})"
 
 
-def _reach(graph: _Adjacency, starts: Iterable[Hashable], through: set, forward: bool) -> set:
+def _reach(graph: Adjacency, starts: Iterable[Hashable], through: set, forward: bool) -> set:
     """Vertices in ``through`` reachable from ``starts`` by paths inside ``through``."""
     seen: set = set()
     stack = list(starts)
@@ -301,7 +248,7 @@ def _reach(graph: _Adjacency, starts: Iterable[Hashable], through: set, forward:
     return seen
 
 
-def _paint_o1(graph: _Adjacency, cls: dict, todo: set, out: Assignment) -> None:
+def _paint_o1(graph: Adjacency, cls: dict, todo: set, out: Assignment) -> None:
     decide = _Decisions()
     low = {v for v, d in out.items() if d.precision == LOW and v in graph}
     fp32 = {v for v, d in out.items() if d.precision == FP32 and v in graph}
@@ -349,7 +296,7 @@ def _paint_o1(graph: _Adjacency, cls: dict, todo: set, out: Assignment) -> None:
         out[v] = decide(FP32, f"O1 {cls[v]} op: {why}", cls[v])
 
 
-def _between(graph: _Adjacency, infer: set, clear: set, out: Assignment) -> None:
+def _between(graph: Adjacency, infer: set, clear: set, out: Assignment) -> None:
     """Rule 6: the O2 INFER ops in ``infer`` (decided low) that, with the undecided CLEAR
     ops in ``clear``, form regions whose producers and consumers are all fp32 ops become
     fp32 (their CLEAR ops then follow them, rule 5). The largest such set: members are
@@ -380,7 +327,7 @@ def _between(graph: _Adjacency, infer: set, clear: set, out: Assignment) -> None
                               "would add a cast each side", INFER)
 
 
-def _follow(graph: _Adjacency, todo: set, out: Assignment) -> None:
+def _follow(graph: Adjacency, todo: set, out: Assignment) -> None:
     """O2 CLEAR ops: fp32 when every decided producer is fp32, else low; a CLEAR op fed only
     by sources (directly or through other such CLEAR ops) follows its consumers instead.
 

@@ -6,6 +6,7 @@ from torch import fx
 
 from passes._infra import PassResult, visiting
 from passes.fx._torch_internals import OpOverload, op_schema
+from passes.fx.dtypes import is_amp_cast
 from passes.fx.nodes import is_view
 
 
@@ -20,7 +21,8 @@ def merge_duplicate_ops(gm: fx.GraphModule, by_module: bool = False,
     - the whole graph if it has an in-place or ``out=`` op (a shared result could be
       written through one of its uses);
     - values the graph returns, or views of them: the caller may write into one output
-      in place (per-layer zero states), and must not find another changed;
+      in place (per-layer zero states), and must not find another changed (nor, on a
+      second run, the values under the output casts the first inserted);
     - with ``by_module`` (module precision overrides), ops of different modules.
 
     Arguments compare with their types (``x * 2`` is not ``x * 2.0``; ``-0.0`` is not
@@ -56,7 +58,9 @@ def merge_duplicate_ops(gm: fx.GraphModule, by_module: bool = False,
 
 
 def _returned(graph: fx.Graph) -> set[fx.Node]:
-    """The nodes whose values the graph returns, and the bases of those that are views."""
+    """The nodes whose values the graph returns, and the bases of those that are views or
+    casts ampgraph inserted (an output cast of an earlier run: the passes run again on their
+    own output change nothing)."""
     out: set[fx.Node] = set()
     todo = [a for a in graph.output_node().all_input_nodes]
     while todo:
@@ -64,7 +68,7 @@ def _returned(graph: fx.Graph) -> set[fx.Node]:
         if node in out:
             continue
         out.add(node)
-        if is_view(node):
+        if is_view(node) or is_amp_cast(node):
             todo.extend(node.all_input_nodes)
     return out
 

@@ -97,3 +97,26 @@ def test_with_module_overrides_ops_of_different_modules_are_not_merged():
 
     assert matmuls(by_module=False) == 1
     assert matmuls(by_module=True) == 2
+
+
+class TwoRmsNorms(nn.Module):
+    """The same RMSNorm of ``x`` twice, both returned (a fuzzer's program)."""
+
+    def forward(self, x):
+        def rms(v):
+            return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return rms(x), rms(x)
+
+
+def test_returned_values_under_output_casts_stay_apart_so_a_second_run_changes_nothing():
+    """The first run keeps the two returned products apart (the caller may write into one);
+    its output casts then return them, and a second run must not merge them either."""
+    from passes.fx import run_amp_passes
+    from passes.fx.policy import make_policy
+
+    gm = export(TwoRmsNorms(), (torch.randn(4, 8),))
+    run_amp_passes(gm, make_policy("O2"), torch.float16)
+    before = [(n.op, str(n.target), n.meta.get("amp_dtype")) for n in gm.graph.nodes]
+    assert sum("aten.mul" in t for _, t, _ in before) == 2
+    run_amp_passes(gm, make_policy("O2"), torch.float16)
+    assert [(n.op, str(n.target), n.meta.get("amp_dtype")) for n in gm.graph.nodes] == before
