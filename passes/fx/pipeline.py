@@ -147,6 +147,9 @@ def amp_passes(
         named("skip_whole_slices", skip_whole_slices, recompile=False),
         named("merge_duplicate_ops", merge_duplicate_ops, by_module=bool(policy.overrides.modules),
               recompile=False),
+        # ops nothing uses: they must not sway the painter (a dead top-k would keep its
+        # inputs fp32 here, and a second run, without it, paint them low)
+        named("drop_unused_ops", drop_dead_ops, recompile=False),
         named("build_dataflow", _build_dataflow, state),
     ]
     if low in (torch.float16, torch.bfloat16) and policy.level != "O0":

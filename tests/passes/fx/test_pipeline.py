@@ -53,7 +53,7 @@ def test_run_amp_passes_leaves_the_collector_on():
 
 
 EXPECTED_PASSES = [
-    "prepare", "skip_whole_slices", "merge_duplicate_ops", "build_dataflow",
+    "prepare", "skip_whole_slices", "merge_duplicate_ops", "drop_unused_ops", "build_dataflow",
     "mark_range_hazards", "mark_index_values", "paint",
     "annotate", "insert_casts",
     "fold_casts", "fuse_norm_casts", "channels_last_inputs", "sink_gather_casts",
@@ -76,7 +76,8 @@ def test_the_pipeline_is_a_list_of_named_passes():
                                 fuse_norm_casts=False, channels_last_inputs=False,
                                 sink_gather_casts=False, runtime=RuntimeOps())
     assert [p.__name__ for p in plain] == [
-        "prepare", "skip_whole_slices", "merge_duplicate_ops", "build_dataflow", "paint",
+        "prepare", "skip_whole_slices", "merge_duplicate_ops", "drop_unused_ops", "build_dataflow",
+        "paint",
         "annotate",
         "insert_casts", "fold_casts", "drop_dead_ops", "contiguous_linear_inputs", "verify",
         "count_casts", "recompile"]
