@@ -1,6 +1,6 @@
 """Every architecture of transformers' auto mappings through ampgraph, tiny and random, on demand.
 
-    python benchmarks/hf_sweep.py --json sweep.jsonl --markdown sweep.md   # all (hours)
+    python benchmarks/hf_sweep.py --json sweep.jsonl --markdown sweep.md   # all (~40 min, 2 cores)
     python benchmarks/hf_sweep.py --only bert,gpt2,vit --json sweep.jsonl
     python benchmarks/hf_sweep.py --kinds image --limit 10 --jobs 2
     python benchmarks/hf_sweep.py --report sweep.jsonl --markdown sweep.md  # rows so far
