@@ -179,3 +179,15 @@ def test_hf_sweep_lists_a_timed_out_architecture_apart(tmp_path):
     row = json.loads(out.read_text().splitlines()[1])
     assert row["status"] == "apart" and row["reason"].startswith("timeout (1 s)"), row
     assert "1 x timeout (1 s)" in proc.stdout
+
+
+def test_code_ab_compares_two_checkouts_step_by_step(tmp_path):
+    out = tmp_path / "ab.json"
+    proc = run("benchmarks/code_ab.py", "--before", str(ROOT), "--smoke", "--steps", "1",
+               "--models", "bert,llama", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    models = json.loads(out.read_text())["models"]
+    assert set(models) == {"bert", "llama"}
+    for r in models.values():
+        assert set(r["ms"]) == {"before train", "before infer", "current train", "current infer"}
+        assert all(v > 0 for v in r["before/current"].values())
