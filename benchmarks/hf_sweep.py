@@ -61,7 +61,6 @@ from torch import nn  # noqa: E402
 from zoo import (  # noqa: E402 - zoo puts the repository root on sys.path
     autocast_cosines,
     bf16_floors,
-    class_rows,
     cosine,
     describe_capture,
     fmt,
@@ -71,6 +70,7 @@ from zoo import (  # noqa: E402 - zoo puts the repository root on sys.path
     quiet,
     step,
     train_grads,
+    train_reference,
 )
 
 import ampgraph  # noqa: E402
@@ -141,12 +141,7 @@ def measure(arch: str, kind: str, class_name: str, save: Callable[[dict], None])
         return apart(f"fp32 forward failed: {row['errors'].pop('fp32_eval')}")
     if not torch.isfinite(ref).all():
         return apart("fp32 logits not finite")
-    g = torch.Generator().manual_seed(5)
-    rows = class_rows(ref)
-    labels = torch.randint(0, rows.shape[1], (rows.shape[0],), generator=g)
-    model.train()
-    ref_grads = step(row, "fp32_train", lambda: train_grads(model, lambda: model(**inputs),
-                                                             labels))
+    labels, ref_grads = train_reference(model, inputs, ref, row)
     if ref_grads is None:
         return apart(f"fp32 train step failed: {row['errors'].pop('fp32_train')}")
     if not torch.isfinite(ref_grads).all() or not ref_grads.any():

@@ -614,6 +614,19 @@ def speed(model: nn.Module, net: nn.Module, inputs: dict, labels: torch.Tensor,
     return out
 
 
+def train_reference(model: nn.Module, inputs: dict, ref: torch.Tensor, row: dict[str, Any]
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The fixed random labels of ``ref``'s rows (seed 5) and the fp32 model's train-mode
+    gradients of a cross-entropy on them (the step ``fp32_train`` of ``row``: None if it
+    failed)."""
+    g = torch.Generator().manual_seed(5)
+    rows = class_rows(ref)
+    labels = torch.randint(0, rows.shape[1], (rows.shape[0],), generator=g)
+    model.train()
+    return labels, step(row, "fp32_train",
+                        lambda: train_grads(model, lambda: model(**inputs), labels))
+
+
 def bf16_floors(model: nn.Module, inputs: dict, labels: torch.Tensor, ref: torch.Tensor,
                 ref_grads: torch.Tensor | None, row: dict[str, Any]) -> None:
     """The fp32 model on its weights and float inputs rounded to bf16 (fp32 arithmetic):
@@ -681,13 +694,7 @@ def run_model(name: str, entry: Entry, skip_onnx: bool, skip_speed: bool,
     model.eval()
     with torch.no_grad():
         ref = logits_of(model(**inputs)).float()
-    g = torch.Generator().manual_seed(5)
-    rows = class_rows(ref)
-    labels = torch.randint(0, rows.shape[1], (rows.shape[0],), generator=g)
-    model.train()
-    ref_grads = step(row, "fp32_train", lambda: train_grads(model, lambda: model(**inputs),
-                                                             labels))
-
+    labels, ref_grads = train_reference(model, inputs, ref, row)
     bf16_floors(model, inputs, labels, ref, ref_grads, row)
     autocast_cosines(model, inputs, labels, ref, ref_grads, row)
 
