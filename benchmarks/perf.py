@@ -91,7 +91,9 @@ class Mode:
         self.scaler = None
         if name == "floor":
             self.model = self.model.to(dtype)
-            self.inputs = tuple(t.to(dtype) if t.is_floating_point() else t for t in inputs)
+            low = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731
+            self.inputs = ({k: low(t) for k, t in inputs.items()} if isinstance(inputs, dict)
+                           else tuple(map(low, inputs)))
             self.net = self.model
         elif name.startswith("O"):
             level, _, backend = name.partition("-")

@@ -52,7 +52,7 @@ def amp_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     q, k, v = query, key, value
     if attn_mask is not None and attn_mask.dtype == torch.bool \
             and attn_mask.device.type == "cpu" and not torch.compiler.is_compiling() \
-            and bool(attn_mask.all()):
+            and bool(_unexpanded(attn_mask).all()):
         # nothing masked: a captured HF model builds its mask from the traced shapes
         # (arange >= 0 for a ViT) where eager HF skips it; the unmasked kernel is faster
         attn_mask = None
@@ -66,6 +66,19 @@ def amp_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     return torch.ops.ampgraph.attention(q, k, v, attn_mask, is_causal, scale,
                                         float(dropout_p))[0]
+
+
+def _unexpanded(mask: torch.Tensor) -> torch.Tensor:
+    """``mask`` without its broadcast dimensions (stride 0): the same values, each once. A
+    captured model's mask is often one row expanded to every batch entry, head and query;
+    reducing the expanded view costs ~1 ms on ViT-B's, its row microseconds.
+
+    Example:
+        >>> _unexpanded(torch.ones(4, dtype=torch.bool).expand(8, 3, 4)).shape
+        torch.Size([4])
+    """
+    return mask[tuple(0 if st == 0 and n > 1 else slice(None)
+                      for st, n in zip(mask.stride(), mask.shape))]
 
 
 def unfused_pays(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

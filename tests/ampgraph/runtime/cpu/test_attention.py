@@ -368,6 +368,21 @@ def test_a_boolean_mask_that_masks_nothing_is_dropped(training):
         assert not masked_ops
         assert torch.equal(out, amp_attention(q, k, v))
         assert not torch.equal(amp_attention(q, k, v, one_off), out)
+        row = torch.ones(16, dtype=torch.bool)  # one key masked, expanded as a captured
+        row[3] = False  # model's mask is (stride 0 over batch, heads and queries)
+        expanded = row.expand(4, 2, 16, 16)
+        assert torch.equal(amp_attention(q, k, v, expanded),
+                           amp_attention(q, k, v, expanded.contiguous()))
+        assert not torch.equal(amp_attention(q, k, v, expanded), out)
+
+
+def test_an_expanded_mask_is_checked_on_its_values_once():
+    row = torch.tensor([True, False, True])
+    unexpanded = attention._unexpanded
+    assert unexpanded(row.expand(5, 2, 4, 3)).shape == (3,)
+    assert torch.equal(unexpanded(row.expand(5, 2, 4, 3)), row)
+    full = torch.ones(2, 3, dtype=torch.bool)
+    assert torch.equal(unexpanded(full), full)
 
 
 @pytest.mark.parametrize("kind,dropout", [("bool", 0.0), ("causal", 0.0), ("none", 0.3)])
