@@ -6,7 +6,10 @@ graph through :func:`node_rows`.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+
 import torch
+from torch import fx
 
 from ampgraph.config import dtype_name
 from ampgraph.module import Compiled
@@ -24,7 +27,7 @@ def node_rows(prefix: str, compiled: Compiled, low: torch.dtype) -> list[dict[st
         'bf16'
     """
     rows = []
-    for node in compiled.gm.graph.nodes:
+    for node in _with_absorbed(compiled.gm.graph.nodes):
         if node.op in ("output", "call_module") or node.meta.get("amp_cast"):
             continue
         decision = compiled.decisions.get(node.name)
@@ -47,3 +50,11 @@ def node_rows(prefix: str, compiled: Compiled, low: torch.dtype) -> list[dict[st
         rows.append({"name": node.name, "op": op if node.op == "call_function" else node.op,
                      "module": module, "precision": precision, "reason": reason})
     return rows
+
+
+def _with_absorbed(nodes: Iterable[fx.Node]) -> Iterator[fx.Node]:
+    """The graph's nodes, each followed by the nodes a runtime op absorbed (a linear's
+    activation, ``meta["amp_absorbed"]``): they still run, inside it."""
+    for node in nodes:
+        yield node
+        yield from node.meta.get("amp_absorbed", ())

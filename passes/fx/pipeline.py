@@ -20,6 +20,7 @@ from passes.fx.fold.duplicate_ops import merge_duplicate_ops
 from passes.fx.fold.whole_slices import skip_whole_slices
 from passes.fx.fusions import channels_last, gather_casts, norm_casts
 from passes.fx.fusions.kv_heads import group_kv_heads
+from passes.fx.fusions.tanh_gelu import fuse_tanh_gelu
 from passes.fx.hazards import mark_range_hazards
 from passes.fx.index_values import mark_index_values
 from passes.fx.insert_casts import annotate, insert_casts
@@ -147,6 +148,10 @@ def amp_passes(
         named("skip_whole_slices", skip_whole_slices, recompile=False),
         named("merge_duplicate_ops", merge_duplicate_ops, by_module=bool(policy.overrides.modules),
               recompile=False),
+    ]
+    if policy.level != "O0":  # O0 runs the graph's own ops
+        passes.append(named("fuse_tanh_gelu", fuse_tanh_gelu))
+    passes += [
         # ops nothing uses: they must not sway the painter (a dead top-k would keep its
         # inputs fp32 here, and a second run, without it, paint them low)
         named("drop_unused_ops", drop_dead_ops, recompile=False),
@@ -185,7 +190,8 @@ def amp_passes(
         passes.append(named("route_weight_casts", route_weight_casts, rt.weight_cast,
                             recompile=False))
         if rt.linear is not None:
-            passes.append(named("route_linears", route_linears, rt.linear, low))
+            passes.append(named("route_linears", route_linears, rt.linear, low,
+                                rt.linear_activations))
         if rt.embedding is not None:
             passes.append(named("route_embeddings", route_embeddings, rt.embedding))
     if rt.attention is not None:

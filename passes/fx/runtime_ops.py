@@ -12,7 +12,11 @@ what it does differently:
   returned by multi-tensor ops (``weight_groups.group_weight_casts``; exclusive with
   ``weight_cast``);
 - ``linear``, ``embedding`` (with ``weight_cast``), ``attention``, ``dropout``,
-  ``output_cast``: the ops ``routing`` hands over;
+  ``output_cast``: the ops ``routing`` hands over (``linear(x, w, b, shared=False,
+  activation=None, transposed=False)`` also takes ``addmm(b, x, w)`` on a weight stored
+  ``[in, out]``, as ``transposed=True``);
+- ``linear_activations``: the activations (``passes.fx.routing.linears.ACTIVATIONS``'
+  names) that ``linear`` applies itself when one is its output's only reader;
 - ``unrepeated_kv_heads``: attention takes grouped key/value heads unrepeated
   (``fusions.group_kv_heads``), where the device's kernels run that faster.
 """
@@ -37,6 +41,7 @@ class RuntimeOps:
     weight_group: Callable[..., Any] | None = None
     group_numel: int = 1 << 24
     linear: Callable[..., Any] | None = None
+    linear_activations: frozenset[str] = frozenset()
     embedding: Callable[..., Any] | None = None
     attention: Callable[..., Any] | None = None
     dropout: Callable[..., Any] | None = None

@@ -57,3 +57,16 @@ def test_o0_runs_everything_in_fp32():
     rows = node_rows("", compiled_graph("bf16", level="O0"), torch.bfloat16)
     compute = [r for r in rows if r["op"].startswith("aten.")]
     assert compute and {r["precision"] for r in compute} == {"fp32"}
+
+
+def test_an_activation_the_linear_applies_keeps_its_row():
+    torch.manual_seed(0)
+    net = ampgraph.compile(nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 2)), "O2")
+    net(torch.randn(2, 4))
+    ((_, compiled),), _ = net.amp_parts()
+    assert not [n for n in compiled.gm.graph.nodes if n.target is torch.ops.aten.gelu.default]
+    rows = node_rows("", compiled, torch.bfloat16)
+    (gelu,) = [r for r in rows if r["op"] == "aten.gelu"]
+    assert gelu["precision"] == "bf16" and gelu["module"] == "1"
+    names = [r["name"] for r in rows]
+    assert names.index(gelu["name"]) == names.index("linear") + 1  # right after its linear

@@ -59,6 +59,16 @@ def pack(w: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(w, max(1, rows))
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """``aten.linear(x, w, b)`` for ``packed = pack(w, ...)``; ``b`` in ``x``'s dtype."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
+# An activation the runtime's linear takes (``activations.py``) -> oneDNN's post-op for it
+# (its name and algorithm), computed on the fp32 accumulator before the one rounding.
+EPILOGUES = {None: ("none", ""), "relu": ("relu", ""), "gelu": ("gelu", "none"),
+             "gelu_tanh": ("gelu", "tanh"), "silu": ("swish", "")}
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, b: torch.Tensor | None,
+           activation: str | None = None) -> torch.Tensor:
+    """``aten.linear(x, w, b)`` for ``packed = pack(w, ...)``; ``b`` in ``x``'s dtype; the
+    ``activation`` (a key of :data:`EPILOGUES`) applied in oneDNN's epilogue, no pass of its
+    own over the output (docs/performance.md#activations-in-the-linear)."""
+    attr, algorithm = EPILOGUES[activation]
+    return torch.ops.mkldnn._linear_pointwise(x, packed, b, attr, [], algorithm)

@@ -1,6 +1,7 @@
 """CpuRuntime: the CPU's ops, where fresh memory faults its pages in and oneDNN runs bf16.
 
-- parameter casts and linears through :class:`~ampgraph.runtime.cpu.weights.WeightCache`
+- parameter casts and linears (transformers' ``Conv1D`` products too, and the activation
+  reading a linear's output) through :class:`~ampgraph.runtime.cpu.weights.WeightCache`
   (kept working copies and gradient buffers, blocked products of large weights, packed
   inference weights);
 - embeddings whose large tables' gradients go into kept buffers;
@@ -16,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from ampgraph.runtime.base import Runtime
+from ampgraph.runtime.cpu.activations import ACTIVATIONS
 from ampgraph.runtime.cpu.attention import amp_attention
 from ampgraph.runtime.cpu.dropout import amp_dropout
 from ampgraph.runtime.cpu.outputs import OutputBuffers
@@ -43,6 +45,7 @@ class CpuRuntime(Runtime):
             return RuntimeOps(attention=amp_attention, unrepeated_kv_heads=True)
         return RuntimeOps(
             weight_cast=self.weights.cast, linear=self.weights.amp_linear,
+            linear_activations=frozenset(ACTIVATIONS),
             embedding=self.weights.amp_embedding, attention=amp_attention,
             dropout=amp_dropout, output_cast=self.outputs.cast, unrepeated_kv_heads=True)
 

@@ -40,6 +40,7 @@ from collections.abc import Callable
 import torch
 
 from ampgraph.runtime.cpu import packed
+from ampgraph.runtime.cpu.activations import activate
 from ampgraph.runtime.cpu.buffers import take_free
 from ampgraph.runtime.cpu.cast import CastInto
 from ampgraph.runtime.cpu.embedding import AmpEmbedding
@@ -120,29 +121,41 @@ class WeightCache:
             return entry[1]
 
     def amp_linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
-                   shared: bool = False) -> torch.Tensor:
+                   shared: bool = False, activation: str | None = None,
+                   transposed: bool = False) -> torch.Tensor:
         """``aten.linear(x, w.to(x.dtype), b)`` for an fp32 master weight ``w`` (see
         :class:`~ampgraph.runtime.cpu.linear.AmpLinear`; ``shared``: other nodes use ``w``
-        too); without gradients, the
-        inference working copy is used, packed for oneDNN where it runs the dtype."""
+        too), then the ``activation`` (``activations.py``); without gradients, the
+        inference working copy is used, packed for oneDNN where it runs the dtype, which
+        applies the activation in its epilogue. ``transposed``: ``w`` is stored
+        ``[in, out]`` (transformers' ``Conv1D``, ``addmm(b, x, w)``): it trains as the graph
+        did, a cast and ``addmm``, and its packed inference copy is of ``w.t()``."""
         training = torch.is_grad_enabled() and w.requires_grad
-        if training and not _small(x, w):
-            return AmpLinear.apply(x, w, b, self, shared)
+        if training and not transposed and not _small(x, w):
+            return activate(AmpLinear.apply(x, w, b, self, shared), activation)
         b = self.cast(b, x.dtype) if b is not None else None
-        if training:  # a small weight trains as autocast's: a fresh copy (cast also drops
-            # the inference copies, packed or not), aten's linear and its backward
-            return _linear(x, self.cast(w, x.dtype), b)
-        # one inference copy a weight for its linears (a frozen one, as under LoRA, is
-        # linear'd with and without input gradients): the packed copy in oneDNN's layout
-        # (see packed.py) where it can serve, which replaces the plain one when it is made
-        packed_tag = ("infer", x.dtype, "packed")
-        if packed.usable(x, w, b):
-            def pack(d: torch.Tensor) -> torch.Tensor:
-                self._drop(w, ("infer", x.dtype, None))
-                return packed.pack(d.to(x.dtype), x.numel() // max(1, x.shape[-1]))
-            return packed.linear(x, self._inference_copy(w, packed_tag, pack), b)
-        self._drop(w, packed_tag)
-        return _linear(x, self.cast(w, x.dtype), b)
+        if not training:
+            # one inference copy a weight for its linears (a frozen one, as under LoRA, is
+            # linear'd with and without input gradients): the packed copy in oneDNN's layout
+            # (see packed.py) where it can serve, which replaces the plain one when it is made
+            packed_tag = ("infer", x.dtype, "packed_t" if transposed else "packed")
+            if packed.usable(x, w.t() if transposed else w, b):
+                def pack(d: torch.Tensor) -> torch.Tensor:
+                    self._drop(w, ("infer", x.dtype, None))
+                    d = d.to(x.dtype)
+                    return packed.pack(d.t().contiguous() if transposed else d,
+                                       x.numel() // max(1, x.shape[-1]))
+                return packed.linear(x, self._inference_copy(w, packed_tag, pack), b,
+                                     activation)
+            self._drop(w, packed_tag)
+        # a small weight trains as autocast's: a fresh copy (cast also drops the inference
+        # copies, packed or not), aten's linear and its backward
+        wl = self.cast(w, x.dtype)
+        if transposed:
+            out = torch.addmm(b, x, wl) if b is not None else torch.mm(x, wl)
+        else:
+            out = _linear(x, wl, b)
+        return activate(out, activation)
 
     def amp_embedding(self, w: torch.Tensor, ids: torch.Tensor, padding_idx: int = -1,
                       shared: bool = False) -> torch.Tensor:

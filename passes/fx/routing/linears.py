@@ -1,8 +1,9 @@
-"""``route_linears``: a linear casts its own weight and converts its weight gradient."""
+"""``route_linears``: a linear casts its own weight and converts its weight gradient, and
+applies the activation that reads its output."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -15,45 +16,108 @@ from passes.fx.routing.parameter_uses import parameter_uses
 
 aten = torch.ops.aten
 
+_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 
-def route_linears(gm: fx.GraphModule, linear_fn: Callable[..., Any], low: torch.dtype
-                  ) -> PassResult:
+
+def route_linears(gm: fx.GraphModule, linear_fn: Callable[..., Any], low: torch.dtype,
+                  activations: Collection[str] = ()) -> PassResult:
     """Replace ``aten.linear(x, cast(w), b)`` by ``linear_fn(x, w, b)`` where ``x`` is
     ``low`` and the cast of parameter ``w`` (routed by :func:`route_weight_casts`) serves only
     this linear: the runtime then fuses the weight cast and the conversion of the weight
-    gradient into the linear. Run after ``route_weight_casts``; the cast still happens (it
-    stays counted), inside ``linear_fn``.
+    gradient into the linear. ``aten.addmm(b, x, cast(w))`` on a 2-D ``x`` (transformers'
+    ``Conv1D``, its weight stored ``[in, out]``) becomes ``linear_fn(x, w, b,
+    transposed=True)``. Run after ``route_weight_casts``; the cast still happens (it stays
+    counted), inside ``linear_fn``.
 
     A weight that other nodes use too (tied input and output embeddings) is passed with
-    ``shared=True``: its gradient is summed from several places.
+    ``shared=True``: its gradient is summed from several places. An activation named in
+    ``activations`` (keys of :data:`ACTIVATIONS`) that is the only reader of the output, or
+    of a view of it, in the same dtype, is applied by ``linear_fn`` (``activation=``): the
+    runtime may run it in the product's epilogue. Its node goes; the report still shows it
+    (``meta["amp_absorbed"]``).
 
     Example:
-        >>> route_linears(gm, cache.amp_linear, torch.bfloat16)
+        >>> route_linears(gm, cache.amp_linear, torch.bfloat16, {"gelu"})
     """
     uses = parameter_uses(gm)
     modified = False
     for node in visiting(list(gm.graph.nodes)):
-        if node.op != "call_function" or node.target is not aten.linear.default \
-                or len(node.args) < 2 or node.kwargs:
+        operands = _operands(node, low)
+        if operands is None:
             continue
-        x, w = node.args[0], node.args[1]
-        if dtype_of(x) != low or not (is_amp_cast(w) and w.target is not CAST
-                                      and w.args[0].op == "get_attr" and len(w.users) == 1):
-            continue
+        x, w, b, transposed = operands
         node.target = linear_fn
-        node.args = (x, w.args[0], *node.args[2:])
+        node.args = (x, w.args[0], b)
+        node.kwargs = {"transposed": True} if transposed else {}
         if uses.get(id(fetch_attr(gm, w.args[0].target)), 0) > 1:
-            node.kwargs = {"shared": True}
+            node.update_kwarg("shared", True)
         node.meta["amp_fused_weight_cast"] = low
         gm.graph.erase_node(w)
-        b = node.args[2] if len(node.args) > 2 else None
-        if is_amp_cast(b) and b.target is not CAST and b.args[0].op == "get_attr" \
-                and len(b.users) == 1:
-            node.args = (x, node.args[1], b.args[0], *node.args[3:])
+        if _routed_cast(b):
+            node.update_arg(2, b.args[0])
             node.meta["amp_fused_bias_cast"] = low
             gm.graph.erase_node(b)
-        node.meta["amp_orig_op"] = "aten.linear"
+        node.meta["amp_orig_op"] = "aten.linear"  # what it runs (on a [in, out] weight)
         node.meta["amp_reason"] = (f"{node.meta.get('amp_reason', '')}; its weight cast and "
                                    "the conversion of its weight gradient are fused into it")
+        _absorb_activation(gm, node, activations)
         modified = True
     return PassResult(gm, modified)
+
+
+def _routed_cast(node: object) -> bool:
+    """Whether ``node`` is a routed cast of a parameter that serves one node only."""
+    return (is_amp_cast(node) and node.target is not CAST and node.args[0].op == "get_attr"
+            and len(node.users) == 1)
+
+
+def _operands(node: fx.Node, low: torch.dtype
+              ) -> tuple[fx.Node, fx.Node, Any, bool] | None:
+    """``(x, the weight's cast, the bias, transposed)`` of a linear or ``Conv1D`` product
+    to route, else None."""
+    if node.op != "call_function" or node.kwargs:
+        return None
+    if node.target is aten.linear.default and len(node.args) >= 2:
+        x, w, b, transposed = node.args[0], node.args[1], (node.args[2:] or (None,))[0], False
+    elif node.target is aten.addmm.default and len(node.args) == 3:
+        b, x, w = node.args
+        transposed = True
+        if len(getattr(_val(w), "shape", ())) != 2 or len(getattr(
+                _val(x), "shape", ())) != 2:
+            return None
+    else:
+        return None
+    if dtype_of(x) != low or not _routed_cast(w):
+        return None
+    return x, w, b, transposed
+
+
+def _val(node: object) -> Any:
+    return node.meta.get("val") if isinstance(node, fx.Node) else None
+
+
+# aten's activation -> its name for the runtime's linear (``activation=``)
+ACTIVATIONS = {(aten.relu.default, None): "relu", (aten.gelu.default, "none"): "gelu",
+               (aten.gelu.default, "tanh"): "gelu_tanh", (aten.silu.default, None): "silu"}
+
+
+def _absorb_activation(gm: fx.GraphModule, node: fx.Node, names: Collection[str]) -> None:
+    """Hand the routed linear ``node`` the activation that alone reads its output (directly
+    or through one view: an elementwise op commutes with it), if ``names`` has it."""
+    users = list(node.users)
+    view = users[0] if len(users) == 1 and users[0].target in _VIEWS else None
+    readers = list(view.users) if view is not None else users
+    if len(readers) != 1 or readers[0].op != "call_function":
+        return
+    act = readers[0]
+    approximate = act.kwargs.get("approximate", "none") if act.target is aten.gelu.default \
+        else None
+    name = ACTIVATIONS.get((act.target, approximate))
+    if name not in names or len(act.args) != 1 or set(act.kwargs) - {"approximate"} \
+            or dtype_of(act) != dtype_of(node):
+        return
+    act.replace_all_uses_with(view if view is not None else node)
+    node.update_kwarg("activation", name)
+    node.meta["amp_reason"] += f"; it applies its {name} itself (in inference, in the product)"
+    node.meta.setdefault("amp_absorbed", []).append(act)
+    gm.graph.erase_node(act)

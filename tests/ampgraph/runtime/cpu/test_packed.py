@@ -9,6 +9,7 @@ from torch.autograd import forward_ad as fwAD
 
 import ampgraph
 from ampgraph.runtime.cpu import packed
+from ampgraph.runtime.cpu.activations import ACTIVATIONS
 from ampgraph.runtime.cpu.weights import WeightCache
 
 BF16 = torch.bfloat16
@@ -189,3 +190,44 @@ def test_a_frozen_weight_keeps_one_inference_copy():
         with torch.no_grad():
             cache.amp_linear(x, w)
         assert copies() == ["packed"]
+
+
+@needs_onednn_bf16
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "silu"])
+def test_an_activation_runs_in_the_epilogue_as_aten_s_after_the_product(activation):
+    """oneDNN applies it to the fp32 accumulator before the one rounding: within one bf16
+    rounding of aten's activation on the rounded product (ReLU: equal)."""
+    torch.manual_seed(0)
+    cache, w, b = WeightCache(), torch.randn(64, 48), torch.randn(64)
+    x = torch.randn(2, 7, 48).to(BF16)
+    with torch.no_grad():
+        got = cache.amp_linear(x, w, b, activation=activation)
+        want = ACTIVATIONS[activation](aten_linear(x, w, b))
+    assert len(packed_entries(cache)) == 1 and got.dtype == BF16
+    if activation == "relu":
+        assert torch.equal(got, want)
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+
+
+@needs_onednn_bf16
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_weight_stored_in_by_out_is_packed_transposed_and_trains_as_addmm(bias):
+    """transformers' Conv1D: ``addmm(b, x, w)`` with ``w`` [in, out]."""
+    torch.manual_seed(0)
+    cache = WeightCache()
+    w = torch.randn(48, 64, requires_grad=True)
+    b = torch.randn(64, requires_grad=True) if bias else None
+    x = torch.randn(14, 48).to(BF16)
+    want = torch.addmm(b.to(BF16), x, w.to(BF16)) if bias else torch.mm(x, w.to(BF16))
+    with torch.no_grad():
+        got = cache.amp_linear(x, w, b, transposed=True)
+    (wp,) = [entry[1] for _, per in cache._slots.values()
+             for tag, entry in per.items() if tag[-1] == "packed_t"]
+    torch.testing.assert_close(got, want.detach(), rtol=1e-2, atol=1e-2)
+    out = cache.amp_linear(x, w, b, transposed=True)  # training: a cast and addmm, as before
+    out.float().square().sum().backward()
+    gw = w.grad.clone()
+    w.grad = None
+    want.float().square().sum().backward()
+    assert torch.equal(gw, w.grad)
+    assert not [tag for _, per in cache._slots.values() for tag in per if tag[-1] == "packed_t"]
