@@ -16,11 +16,16 @@ class GradBuffers(Protocol):
 
     def kept_grad(self, ref: weakref.ref | None) -> torch.Tensor | None: ...
 
+    def tied_grad(self, w: torch.Tensor) -> torch.Tensor: ...
+
 
 class AmpEmbedding(torch.autograd.Function):
     """``aten.embedding(w, ids, padding_idx)`` whose backward sums the rows' gradients into
     ``w``'s kept gradient buffer (zeroed first) when ``WeightCache.keep_grad`` keeps
-    one, else into a fresh table as aten's (``index_add_`` either way, as aten's CPU
+    one; for a table other nodes use too (``shared``: tied input and output embeddings),
+    into a kept table of its own (``WeightCache.tied_grad``) that autograd adds into the
+    other nodes' share (a fresh one, as aten's, faults in its pages every step: GPT-2's
+    154 MB); else into a fresh table as aten's (``index_add_`` every time, as aten's CPU
     embedding backward: the same sums in the same order).
 
     Example:
@@ -32,6 +37,7 @@ class AmpEmbedding(torch.autograd.Function):
                 cache: GradBuffers, shared: bool) -> torch.Tensor:
         ctx.save_for_backward(ids)
         ctx.w_ref = cache.keep_grad(w, shared)
+        ctx.tied = weakref.ref(w) if shared else None
         ctx.padding_idx, ctx.cache, ctx.rows = padding_idx, cache, w.shape[0]
         return torch.embedding(w, ids, padding_idx)
 
@@ -39,6 +45,9 @@ class AmpEmbedding(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         (ids,) = ctx.saved_tensors
         out = ctx.cache.kept_grad(ctx.w_ref)
+        tied = ctx.tied() if ctx.tied is not None else None
+        if out is None and tied is not None and not torch.is_grad_enabled():
+            out = ctx.cache.tied_grad(tied)
         if out is None:
             gw = torch.ops.aten.embedding_dense_backward.default(
                 grad, ids, ctx.rows, ctx.padding_idx, False)

@@ -205,6 +205,13 @@ class WeightCache:
             per[key] = pool[0]
             return view
 
+    def tied_grad(self, w: torch.Tensor) -> torch.Tensor:
+        """A view of a buffer kept between steps for the share of ``w``'s gradient that one
+        of the nodes using it computes (a tied table's lookup), which nothing else holds:
+        autograd adds it into the other shares (in place into theirs where it arrives
+        last, as a lookup's does), so it stays the cache's."""
+        return self._buffer(w, "tied", w.dtype)
+
     def keep_grad(self, w: torch.Tensor, shared: bool) -> weakref.ref | None:
         """In forward: a reference to ``w`` if its gradient is to go into a buffer kept
         between steps, else None (and any buffer is forgotten).

@@ -18,8 +18,8 @@ def fn(*args, **kwargs):
 
 
 def test_aten_only_fills_nothing():
-    assert all(getattr(ATEN_ONLY, f.name) in (None, False, frozenset()) for f in dataclasses.fields(ATEN_ONLY)
-               if f.name != "group_numel")
+    assert all(getattr(ATEN_ONLY, f.name) in (None, False, frozenset())
+               for f in dataclasses.fields(ATEN_ONLY) if f.name != "group_numel")
     assert ATEN_ONLY.group_numel == 1 << 24
     assert not ATEN_ONLY.routes_weights
 

@@ -23,6 +23,20 @@ def test_the_mask_keeps_each_element_with_the_asked_probability(keep):
     assert abs(rows.std().item() - (keep * (1 - keep) / 1024) ** 0.5) < 0.003
 
 
+@pytest.mark.parametrize("keep", [0.9, 0.1, 2 ** -8, 0.002])
+def test_both_elements_of_a_draw_keep_with_the_asked_probability_independently(keep):
+    """Two elements come from each 31-bit draw (its low 16 bits and its high 15) down to a
+    keep probability of 2**-8; below it (0.002), one."""
+    torch.manual_seed(0)
+    mask = keep_mask((2, 1000, 1001), keep).flatten()  # an odd count: half a draw unused
+    assert mask.numel() == 2 * 1000 * 1001
+    for part in (mask[0::2], mask[1::2]):
+        assert abs(part.float().mean().item() - keep) < 5 * (keep * (1 - keep) / part.numel()
+                                                             ) ** 0.5
+    both, pairs = (mask[0::2] & mask[1::2]).float().mean().item(), mask.numel() // 2
+    assert abs(both - keep ** 2) < 5 * (keep ** 2 * (1 - keep ** 2) / pairs) ** 0.5
+
+
 def test_the_mask_keeps_everything_at_keep_one_and_nothing_near_zero():
     assert keep_mask((1000,), 1.0).all()  # the threshold 2**31 itself does not fit an int32
     assert keep_mask((1000,), 1 - 1e-12).all()

@@ -38,3 +38,43 @@ def test_routed_embedding_gradients_are_aten_s_and_a_kept_table_reuses_its_buffe
     assert held == kept
     if kept:
         assert seen[1] == seen[2]
+
+
+class TiedHead(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.fc = torch.nn.Embedding(50, 16), torch.nn.Linear(16, 16)
+        self.head = torch.nn.Linear(16, 50, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(torch.relu(self.fc(self.emb(ids))))
+
+
+def test_a_tied_table_s_lookup_gradient_goes_into_a_kept_table_added_in_place(monkeypatch):
+    """The lookup's share of a tied table's gradient: into a table the cache keeps (a fresh
+    one faults its pages in every step), which autograd adds into the head's share in
+    place; the gradient is aten's."""
+    monkeypatch.setattr(weights, "KEPT_GRAD_NUMEL", 800)  # the 50x16 table
+    torch.manual_seed(0)
+    model, ids = TiedHead(), torch.randint(0, 50, (4, 8))
+    gm, cache, plain = fused_and_plain(model, ids)
+    (lookup,) = [n for n in gm.graph.nodes if n.target == cache.amp_embedding]
+    assert lookup.kwargs == {"shared": True}
+    shape, kept = list(model.emb.weight.shape), []
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        plain.zero_grad(set_to_none=True)
+        with torch.profiler.profile(record_shapes=True) as prof:
+            gm(ids).float().square().sum().backward()
+        adds = {e.key for e in prof.key_averages(group_by_input_shape=True)
+                if e.key in ("aten::add", "aten::add_") and shape in e.input_shapes}
+        assert adds == {"aten::add_"}
+        plain(ids).float().square().sum().backward()
+        ref = dict(plain.named_parameters())["emb.weight"].grad
+        torch.testing.assert_close(model.emb.weight.grad, ref, rtol=0, atol=0)
+        (buf,) = [entry[0] for key, entry in cache._per_param(model.emb.weight).items()
+                  if key[0] == "tied"]
+        kept.append(buf.data_ptr())
+        assert buf.data_ptr() != model.emb.weight.grad.data_ptr()
+    assert kept[0] == kept[1] == kept[2]
