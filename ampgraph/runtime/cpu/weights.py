@@ -107,6 +107,20 @@ class WeightCache:
         return self._inference_copy(p, ("infer", dtype, memory_format), lambda d: d.to(
             dtype, memory_format=memory_format or torch.preserve_format))
 
+    def _current(self, p: torch.Tensor, tag: tuple) -> bool:
+        """Whether ``p``'s copy under ``tag`` was made from ``p`` as it is now (its version
+        counter, data pointer, device and shape)."""
+        per = self._peek(p)
+        entry = per.get(tag) if per else None
+        return entry is not None and entry[0] == (p._version, p.data_ptr(), p.device,
+                                                  tuple(p.shape))
+
+    def _copy(self, p: torch.Tensor, tag: tuple) -> torch.Tensor | None:
+        """``p``'s current copy under ``tag`` (see :meth:`_current`), else None."""
+        per = self._peek(p)
+        entry = per.get(tag) if per else None
+        return entry[1] if entry is not None and self._current(p, tag) else None
+
     def _inference_copy(self, p: torch.Tensor, tag: tuple,
                         make: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """The copy ``make(p.detach())`` kept under ``tag``, made again once the master
@@ -137,13 +151,19 @@ class WeightCache:
         if not training:
             # one inference copy a weight for its linears (a frozen one, as under LoRA, is
             # linear'd with and without input gradients): the packed copy in oneDNN's layout
-            # (see packed.py) where it can serve, which replaces the plain one when it is made
+            # (see packed.py) where it can serve, which replaces the plain one when it is
+            # made. A transposed weight's (its reorder costs ~3x a plain one's) is made from
+            # the plain copy when that is used again on an unchanged master: the first call
+            # after an update, as an evaluation after every training step, casts only
             packed_tag = ("infer", x.dtype, "packed_t" if transposed else "packed")
-            if packed.usable(x, w.t() if transposed else w, b):
+            plain_tag = ("infer", x.dtype, None)
+            if packed.usable(x, w.t() if transposed else w, b) and (not transposed or (
+                    self._current(w, packed_tag) or self._current(w, plain_tag))):
                 def pack(d: torch.Tensor) -> torch.Tensor:
-                    self._drop(w, ("infer", x.dtype, None))
-                    d = d.to(x.dtype)
-                    return packed.pack(d.t().contiguous() if transposed else d,
+                    low = self._copy(w, plain_tag)
+                    self._drop(w, plain_tag)
+                    low = d.to(x.dtype) if low is None else low
+                    return packed.pack(low.t().contiguous() if transposed else low,
                                        x.numel() // max(1, x.shape[-1]))
                 return packed.linear(x, self._inference_copy(w, packed_tag, pack), b,
                                      activation)

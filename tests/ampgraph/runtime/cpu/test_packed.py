@@ -220,7 +220,9 @@ def test_a_weight_stored_in_by_out_is_packed_transposed_and_trains_as_addmm(bias
     x = torch.randn(14, 48).to(BF16)
     want = torch.addmm(b.to(BF16), x, w.to(BF16)) if bias else torch.mm(x, w.to(BF16))
     with torch.no_grad():
+        first = cache.amp_linear(x, w, b, transposed=True)  # a cast and addmm
         got = cache.amp_linear(x, w, b, transposed=True)
+    assert torch.equal(first, want.detach())
     (wp,) = [entry[1] for _, per in cache._slots.values()
              for tag, entry in per.items() if tag[-1] == "packed_t"]
     torch.testing.assert_close(got, want.detach(), rtol=1e-2, atol=1e-2)
@@ -231,3 +233,27 @@ def test_a_weight_stored_in_by_out_is_packed_transposed_and_trains_as_addmm(bias
     want.float().square().sum().backward()
     assert torch.equal(gw, w.grad)
     assert not [tag for _, per in cache._slots.values() for tag in per if tag[-1] == "packed_t"]
+
+
+@needs_onednn_bf16
+def test_a_transposed_weight_is_packed_when_its_plain_copy_is_used_again():
+    """Its reorder costs ~3x a plain weight's: an evaluation after every training step
+    casts only; the packed copy is made from the plain one on the next call on an unchanged
+    master (no second cast)."""
+    cache, w = WeightCache(), nn.Parameter(torch.randn(16, 32))
+    x = torch.randn(4, 16).to(BF16)
+
+    def tags():
+        return sorted(str(tag[-1]) for _, per in cache._slots.values() for tag in per)
+
+    for _ in range(2):
+        with torch.no_grad():
+            first = cache.amp_linear(x, w, transposed=True)
+            assert tags() == ["None"]
+            assert torch.equal(first, torch.mm(x, w.to(BF16)))
+            cache.amp_linear(x, w, transposed=True)
+            assert tags() == ["packed_t"]
+        cache.amp_linear(x, w, transposed=True).float().sum().backward()  # drops both
+        assert "packed_t" not in tags()
+        with torch.no_grad():
+            w.add_(1.0)
