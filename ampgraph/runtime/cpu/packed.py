@@ -11,7 +11,10 @@ Only where oneDNN runs the dtype (``_is_mkldnn_bf16_supported`` / ``_fp16``), on
 enabled, and on plain CPU tensors with no derivative to record (see :func:`usable`):
 anything else (torch.compile's tracing, forward-mode AD or functorch transforms, a tensor
 subclass, an input or bias that requires grad) goes to ``aten.linear``. The packed layout
-is chosen for the first call's number of rows; other row counts give the same products.
+is chosen for the first call's number of rows; other row counts give the same products. A
+weight stored ``[in, out]`` (transformers' ``Conv1D``, ``transposed=True`` in the cache) is
+packed from its plain copy on the second call on an unchanged master (its reorder costs ~3x
+a plain one's).
 A weight keeps one inference copy for its linears, the packed or the plain one (a frozen
 weight linear'd with and without input gradients, as under LoRA, swaps them); one also
 cast by another node keeps that node's plain copy too.
