@@ -18,6 +18,28 @@ from passes.fx.policy import make_policy
 from passes.fx.runtime_ops import RuntimeOps
 
 
+class TiedHead(nn.Module):
+    """Input and output embeddings sharing one table, as GPT-2's and BERT's do."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.fc = nn.Embedding(50, 16), nn.Linear(16, 16)
+        self.head = nn.Linear(16, 50, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(torch.relu(self.fc(self.emb(ids))))
+
+
+def table_adds(gm, ids, shape: list[int]) -> set[str]:
+    """A training step of ``gm`` under the profiler: the add ops (in place or not) on
+    tensors of the tied table's ``shape``, where autograd sums its gradients."""
+    with torch.profiler.profile(record_shapes=True) as prof:
+        gm(ids).float().square().sum().backward()
+    return {e.key for e in prof.key_averages(group_by_input_shape=True)
+            if e.key in ("aten::add", "aten::add_") and shape in e.input_shapes}
+
+
 class Net(nn.Module):
     def __init__(self):
         super().__init__()

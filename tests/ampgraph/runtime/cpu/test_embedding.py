@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import ampgraph.runtime.cpu.weights as weights
-from tests.ampgraph.runtime.cpu.helpers import Lookup, fused_and_plain
+from tests.ampgraph.runtime.cpu.helpers import Lookup, TiedHead, fused_and_plain, table_adds
 
 
 @pytest.mark.parametrize("kept", [False, True])
@@ -40,17 +40,6 @@ def test_routed_embedding_gradients_are_aten_s_and_a_kept_table_reuses_its_buffe
         assert seen[1] == seen[2]
 
 
-class TiedHead(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.emb, self.fc = torch.nn.Embedding(50, 16), torch.nn.Linear(16, 16)
-        self.head = torch.nn.Linear(16, 50, bias=False)
-        self.head.weight = self.emb.weight
-
-    def forward(self, ids):
-        return self.head(torch.relu(self.fc(self.emb(ids))))
-
-
 def test_a_tied_table_s_lookup_gradient_goes_into_a_kept_table_added_in_place(monkeypatch):
     """The lookup's share of a tied table's gradient: into a table the cache keeps (a fresh
     one faults its pages in every step), which autograd adds into the head's share in
@@ -65,11 +54,7 @@ def test_a_tied_table_s_lookup_gradient_goes_into_a_kept_table_added_in_place(mo
     for _ in range(3):
         model.zero_grad(set_to_none=True)
         plain.zero_grad(set_to_none=True)
-        with torch.profiler.profile(record_shapes=True) as prof:
-            gm(ids).float().square().sum().backward()
-        adds = {e.key for e in prof.key_averages(group_by_input_shape=True)
-                if e.key in ("aten::add", "aten::add_") and shape in e.input_shapes}
-        assert adds == {"aten::add_"}
+        assert table_adds(gm, ids, shape) == {"aten::add_"}
         plain(ids).float().square().sum().backward()
         ref = dict(plain.named_parameters())["emb.weight"].grad
         torch.testing.assert_close(model.emb.weight.grad, ref, rtol=0, atol=0)

@@ -10,7 +10,15 @@ from torch import nn
 import ampgraph.runtime.cpu.blocked as blocked
 import ampgraph.runtime.cpu.linear as linear
 import ampgraph.runtime.cpu.weights as weights
-from tests.ampgraph.runtime.cpu.helpers import Net, blocks, compiled, fused_and_plain, paths
+from tests.ampgraph.runtime.cpu.helpers import (
+    Net,
+    TiedHead,
+    blocks,
+    compiled,
+    fused_and_plain,
+    paths,
+    table_adds,
+)
 
 
 @pytest.mark.parametrize("path", ["aten", "whole", "blocked"])
@@ -171,19 +179,6 @@ def test_a_large_linear_keeps_no_whole_low_precision_copy_of_its_weight(monkeypa
     assert grad_bytes < peak < grad_bytes + weight_low_bytes, (peak, grad_bytes)
 
 
-class TiedHead(nn.Module):
-    """Input and output embeddings sharing one table, as GPT-2's and BERT's do."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb, self.fc = nn.Embedding(50, 16), nn.Linear(16, 16)
-        self.head = nn.Linear(16, 50, bias=False)
-        self.head.weight = self.emb.weight
-
-    def forward(self, ids):
-        return self.head(torch.relu(self.fc(self.emb(ids))))
-
-
 @pytest.mark.parametrize("blocked", [False, True])
 def test_a_tied_weight_sums_its_two_gradients_in_place(blocked, monkeypatch):
     """The head's gradient arrives first: it must be a tensor nothing else holds, so that
@@ -201,11 +196,7 @@ def test_a_tied_weight_sums_its_two_gradients_in_place(blocked, monkeypatch):
     for _ in range(3):
         model.zero_grad(set_to_none=True)
         plain.zero_grad(set_to_none=True)
-        with torch.profiler.profile(record_shapes=True) as prof:
-            gm(ids).float().square().sum().backward()
-        adds = {e.key for e in prof.key_averages(group_by_input_shape=True)
-                if e.key in ("aten::add", "aten::add_") and shape in e.input_shapes}
-        assert adds == {"aten::add_"}
+        assert table_adds(gm, ids, shape) == {"aten::add_"}
         plain(ids).float().square().sum().backward()
         ref = dict(plain.named_parameters())["emb.weight"].grad
         torch.testing.assert_close(model.emb.weight.grad, ref, rtol=0, atol=0)
