@@ -59,6 +59,12 @@ def _small(x: torch.Tensor, w: torch.Tensor) -> bool:
             and not blockable(x, w, x.requires_grad))
 
 
+def _state(p: torch.Tensor) -> tuple:
+    """What an inference copy of ``p`` is made from: its version counter, data pointer,
+    device and shape (a copy made from another state is stale)."""
+    return p._version, p.data_ptr(), p.device, tuple(p.shape)
+
+
 # A fresh gradient of 32 MiB or more (glibc's largest mmap threshold) is mmapped, and its
 # pages fault in, every step; from 16 MiB often enough too: kept buffers pay from there
 # (docs/performance.md#kept-buffers).
@@ -107,25 +113,17 @@ class WeightCache:
         return self._inference_copy(p, ("infer", dtype, memory_format), lambda d: d.to(
             dtype, memory_format=memory_format or torch.preserve_format))
 
-    def _current(self, p: torch.Tensor, tag: tuple) -> bool:
-        """Whether ``p``'s copy under ``tag`` was made from ``p`` as it is now (its version
-        counter, data pointer, device and shape)."""
+    def _current(self, p: torch.Tensor, tag: tuple) -> torch.Tensor | None:
+        """``p``'s copy under ``tag`` if it was made from ``p`` as it is now, else None."""
         per = self._peek(p)
         entry = per.get(tag) if per else None
-        return entry is not None and entry[0] == (p._version, p.data_ptr(), p.device,
-                                                  tuple(p.shape))
-
-    def _copy(self, p: torch.Tensor, tag: tuple) -> torch.Tensor | None:
-        """``p``'s current copy under ``tag`` (see :meth:`_current`), else None."""
-        per = self._peek(p)
-        entry = per.get(tag) if per else None
-        return entry[1] if entry is not None and self._current(p, tag) else None
+        return entry[1] if entry is not None and entry[0] == _state(p) else None
 
     def _inference_copy(self, p: torch.Tensor, tag: tuple,
                         make: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """The copy ``make(p.detach())`` kept under ``tag``, made again once the master
         changes (its version counter, data pointer, device or shape)."""
-        key = (p._version, p.data_ptr(), p.device, tuple(p.shape))
+        key = _state(p)
         with self._lock:
             per = self._per_param(p)
             entry = per.get(tag)
@@ -157,10 +155,10 @@ class WeightCache:
             # after an update, as an evaluation after every training step, casts only
             packed_tag = ("infer", x.dtype, "packed_t" if transposed else "packed")
             plain_tag = ("infer", x.dtype, None)
-            if packed.usable(x, w.t() if transposed else w, b) and (not transposed or (
-                    self._current(w, packed_tag) or self._current(w, plain_tag))):
+            if packed.usable(x, w.t() if transposed else w, b) and (not transposed or any(
+                    self._current(w, tag) is not None for tag in (packed_tag, plain_tag))):
                 def pack(d: torch.Tensor) -> torch.Tensor:
-                    low = self._copy(w, plain_tag)
+                    low = self._current(w, plain_tag)
                     self._drop(w, plain_tag)
                     low = d.to(x.dtype) if low is None else low
                     return packed.pack(low.t().contiguous() if transposed else low,
