@@ -31,13 +31,21 @@ class TiedHead(nn.Module):
         return self.head(torch.relu(self.fc(self.emb(ids))))
 
 
-def table_adds(gm, ids, shape: list[int]) -> set[str]:
-    """A training step of ``gm`` under the profiler: the add ops (in place or not) on
-    tensors of the tied table's ``shape``, where autograd sums its gradients."""
+def tied_step(model: TiedHead, gm, plain, ids) -> None:
+    """One training step of ``gm`` (compiled from ``model``) and of ``plain``: autograd sums
+    the tied table's two gradient shares in place (no table-sized out-of-place add, under
+    the profiler), into aten's gradient."""
+    shape = list(model.emb.weight.shape)
+    model.zero_grad(set_to_none=True)
+    plain.zero_grad(set_to_none=True)
     with torch.profiler.profile(record_shapes=True) as prof:
         gm(ids).float().square().sum().backward()
-    return {e.key for e in prof.key_averages(group_by_input_shape=True)
+    adds = {e.key for e in prof.key_averages(group_by_input_shape=True)
             if e.key in ("aten::add", "aten::add_") and shape in e.input_shapes}
+    assert adds == {"aten::add_"}
+    plain(ids).float().square().sum().backward()
+    ref = dict(plain.named_parameters())["emb.weight"].grad
+    torch.testing.assert_close(model.emb.weight.grad, ref, rtol=0, atol=0)
 
 
 class Net(nn.Module):
