@@ -8,7 +8,9 @@ load, keep the statistics, the weights and the arithmetic in fp32 and round once
 ``x16 -> cast fp32 -> norm -> [relu] -> cast x16`` therefore becomes ``x16 -> norm -> [relu]``
 with the same numbers: widening is exact, the norm still computes in fp32, and the single
 rounding on store is the one the removed cast made (relu, max pooling, and hardtanh with
-bounds exact in the low dtype, commute with rounding). The backward rounds the input gradient
+bounds exact in the low dtype, commute with rounding, and so does a view: GPT-2's
+``view(-1, d)`` and a classifier's ``select`` of the first token sit between the norm and
+the cast). The backward rounds the input gradient
 once, as the removed cast's backward did. The fusion applies only where every use of the
 norm's output wanted the low dtype, and only for kernels a probe on the graph's device shows
 to accept the mix (``passes.fx.capabilities``); the norm keeps ``amp_precision == "fp32"``
@@ -23,6 +25,7 @@ import torch
 from torch import fx
 
 from passes._infra import PassResult, visiting
+from passes.fx._torch_internals import OpOverload, op_schema
 from passes.fx.capabilities import mixed_io_supported
 from passes.fx.dtypes import dtype_of, is_amp_cast
 from passes.fx.nodes import SHORT_NAMES, tensors
@@ -112,7 +115,7 @@ def _all_uses_want_low(node: fx.Node, low: torch.dtype, found: dict[str, list]) 
             found["widen"].append(user)
             if not _all_uses_want_low(user, low, found):
                 return False
-        elif _exact_under_rounding(user, node, low):
+        elif _exact_under_rounding(user, node, low) or _is_view_of(user, node):
             found["chain"].append(user)
             if not _all_uses_want_low(user, low, found):
                 return False
@@ -129,6 +132,22 @@ def _exact_under_rounding(user: fx.Node, src: fx.Node, low: torch.dtype) -> bool
         return True
     bounds = [float(b) for b in user.args[1:]]
     return all(torch.tensor(b, dtype=low).item() == b for b in bounds)
+
+
+def _is_view_of(user: fx.Node, src: fx.Node) -> bool:
+    """Whether ``user`` is an aten view of ``src`` alone (one tensor out, aliasing ``src``
+    without writing it; sizes may be symbolic nodes): its values are ``src``'s, so it
+    commutes with rounding."""
+    if user.op != "call_function" or not isinstance(user.target, OpOverload) \
+            or not user.args or user.args[0] is not src:
+        return False
+    returns = op_schema(user.target).returns
+    if len(returns) != 1 or str(returns[0].type) != "Tensor":
+        return False
+    alias = returns[0].alias_info
+    others = [a for a in (*user.args[1:], *user.kwargs.values()) if isinstance(a, fx.Node)]
+    return alias is not None and not alias.is_write and not any(
+        tensors(a.meta.get("val")) for a in others)
 
 
 def _device(node: fx.Node) -> torch.device | None:

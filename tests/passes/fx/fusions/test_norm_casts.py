@@ -145,3 +145,42 @@ def test_norms_are_fused_only_where_the_probe_allows(monkeypatch, supported):
     gm.graph.lint()
     verify(gm, torch.bfloat16)
     torch.testing.assert_close(gm(x), plain(x), rtol=1e-2, atol=1e-2)
+
+
+class ViewedNorm(nn.Module):
+    """A norm whose output reaches the next product through views: GPT-2's ``view(-1, d)``
+    and a classifier's ``select`` of the first token."""
+
+    def __init__(self, d: int = 16):
+        super().__init__()
+        self.fc1, self.ln, self.fc2 = nn.Linear(d, d), nn.LayerNorm(d), nn.Linear(d, d)
+        self.d = d
+
+    def forward(self, x):
+        h = self.ln(self.fc1(x))
+        return self.fc2(h.view(-1, self.d)), self.fc2(h[:, 0])
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_views_between_the_norm_and_its_low_uses_are_fused_through(train):
+    torch.manual_seed(0)
+    model = ViewedNorm().train(train)
+    x = torch.randn(2, 3, 16)
+    gm, plain = passes(copy.deepcopy(model), (x,), True), passes(model, (x,), False)
+    (ln,) = norm_nodes(gm)
+    assert ln.meta["amp_io"] == torch.bfloat16 and dtype_of(ln.args[0]) == torch.bfloat16
+    views = [u for u in ln.users]
+    assert {u.target for u in views} == {aten.view.default, aten.select.int}
+    assert all(dtype_of(v) == torch.bfloat16 and v.meta["amp_precision"] == "low"
+               for v in views)
+    casts = lambda g: sum(is_amp_cast(n) for n in g.graph.nodes)  # noqa: E731
+    assert casts(plain) - casts(gm) == 3, "the widen before the norm, a narrow after each view"
+    gm.graph.lint()
+    verify(gm, torch.bfloat16)
+    xs = [x.clone().requires_grad_() for _ in range(2)]
+    outs = gm(xs[0]), plain(xs[1])
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
+    sum(o.square().sum() for o in outs[0]).backward()
+    sum(o.square().sum() for o in outs[1]).backward()
+    torch.testing.assert_close(xs[0].grad, xs[1].grad, rtol=2e-2, atol=2e-2)
