@@ -15,6 +15,7 @@ from passes._infra import PassManager, PassResult, named
 from passes.fx.dataflow import build_dataflow
 from passes.fx.fold.cast_count import count_casts
 from passes.fx.fold.casts import fold_casts
+from passes.fx.fold.constant_casts import fold_constant_casts
 from passes.fx.fold.dead_ops import drop_dead_ops
 from passes.fx.fold.duplicate_ops import merge_duplicate_ops
 from passes.fx.fold.whole_slices import skip_whole_slices
@@ -166,6 +167,7 @@ def amp_passes(
         named("annotate", _annotate, state),
         named("insert_casts", insert_casts, low, keep_io_types=keep_io_types, recompile=False),
         named("fold_casts", fold_casts, recompile=False),
+        named("fold_constant_casts", fold_constant_casts, recompile=False),
     ]
     # each switch runs the pass of its name (the module is named: the switch shadows it)
     if fuse_norm_casts:

@@ -57,7 +57,8 @@ EXPECTED_PASSES = [
     "build_dataflow",
     "mark_range_hazards", "mark_index_values", "paint",
     "annotate", "insert_casts",
-    "fold_casts", "fuse_norm_casts", "channels_last_inputs", "sink_gather_casts",
+    "fold_casts", "fold_constant_casts", "fuse_norm_casts", "channels_last_inputs",
+    "sink_gather_casts",
     "group_kv_heads",
     "drop_dead_ops", "contiguous_linear_inputs", "verify",
     "count_casts", "route_weight_casts", "route_linears", "route_embeddings",
@@ -80,7 +81,8 @@ def test_the_pipeline_is_a_list_of_named_passes():
         "prepare", "skip_whole_slices", "merge_duplicate_ops", "drop_unused_ops", "build_dataflow",
         "paint",
         "annotate",
-        "insert_casts", "fold_casts", "drop_dead_ops", "contiguous_linear_inputs", "verify",
+        "insert_casts", "fold_casts", "fold_constant_casts", "drop_dead_ops",
+        "contiguous_linear_inputs", "verify",
         "count_casts", "recompile"]
 
 
