@@ -2,13 +2,43 @@
 
 from __future__ import annotations
 
+import itertools
+import operator
+
 import torch
 
 
 def storage_refs(t: torch.Tensor) -> int:
     """How many tensors share ``t``'s storage (a kept buffer is free again at its own
-    count: nothing outside its keeper, no autograd graph, holds it)."""
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+    count: nothing outside its keeper, no autograd graph, holds it).
+
+    Example:
+        >>> t = torch.empty(3); storage_refs(t)
+        1
+        >>> v = t.view(3); storage_refs(t)
+        2
+    """
+    # the storage object made to ask holds one more reference while it is asked
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata) - 1
+
+
+def all_alone(tensors: list[torch.Tensor]) -> bool:
+    """Whether no tensor of ``tensors`` shares its storage with any other tensor: each
+    ``storage_refs(t) == 1``, asked by C-level ``map`` calls (no Python per tensor).
+
+    Example:
+        >>> t = torch.empty(3); all_alone([t])
+        True
+        >>> v = t.view(3); all_alone([t])
+        False
+    """
+    counts = map(torch._C._storage_Use_Count, map(_CDATA, map(_STORAGE, tensors)))
+    return all(map(operator.eq, counts, _ALONE))  # as storage_refs: one more while asked
+
+
+_STORAGE = operator.methodcaller("untyped_storage")
+_CDATA = operator.attrgetter("_cdata")
+_ALONE = itertools.repeat(2)
 
 
 def empty_as(p: torch.Tensor, dtype: torch.dtype, memory_format: torch.memory_format | None

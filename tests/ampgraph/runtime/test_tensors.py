@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ampgraph.runtime.tensors import empty_as, storage_refs
+from ampgraph.runtime.tensors import all_alone, empty_as, storage_refs
 
 
 def test_storage_refs_counts_every_tensor_on_the_storage():
@@ -16,6 +16,17 @@ def test_storage_refs_counts_every_tensor_on_the_storage():
     assert storage_refs(other) == alone
     del view
     assert storage_refs(t) == alone
+
+
+def test_storage_refs_is_exact_and_all_alone_agrees_with_it():
+    """A tensor alone on its storage counts 1 (the CUDA runtime's store took 2 for "held
+    elsewhere" and made new copies every step)."""
+    t, u = torch.zeros(4), torch.zeros(2)
+    assert storage_refs(t) == 1 and all_alone([t, u])
+    view = u[1:]
+    assert storage_refs(u) == 2 and not all_alone([t, u]) and all_alone([t])
+    del view
+    assert all_alone([t, u]) and all_alone([])
 
 
 def test_storage_refs_sees_a_view_saved_by_autograd():

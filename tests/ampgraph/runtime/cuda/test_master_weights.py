@@ -4,6 +4,7 @@ tensors by selecting the runtime by name: it uses portable torch ops only."""
 from __future__ import annotations
 
 import copy
+import sys
 
 import pytest
 import torch
@@ -11,6 +12,8 @@ import torch.nn.functional as F
 
 import ampgraph
 import ampgraph.runtime.cuda.runtime as cuda_runtime
+from ampgraph.runtime import tensors
+from ampgraph.runtime.cuda import master_weights
 from ampgraph.runtime.cuda.master_weights import MasterCopies, WeightGroup
 from models import bert_encoder
 from tests.ampgraph.runtime.cuda.helpers import pair
@@ -177,3 +180,118 @@ def test_a_group_alone_refreshes_by_version_and_storage():
     assert store.refreshes == 2 and torch.equal(again[1], b.to(torch.bfloat16))
     other = WeightGroup(((torch.bfloat16, None),), store)  # another graph's group: shared
     assert other.low_copies(b)[0].data_ptr() == again[1].data_ptr() and store.refreshes == 2
+
+
+def _adamw_steps(net, model, n, x):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(n):
+        net(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return opt
+
+
+def test_training_steps_refresh_the_same_copies_in_place():
+    """Every step's optimizer changes the masters: the refresh writes the kept copies again
+    where they are, no new copy (fixed addresses: what a CUDA graph replays)."""
+    model, net, _, _ = pair()
+    x = torch.randn(8, 16)
+    opt = _adamw_steps(net, model, 2, x)
+    store = net._amp_runtime.copies
+    before = [c.data_ptr() for c in store.copies()]
+    refreshes = store.refreshes
+    net(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    net(x).square().mean().backward()
+    assert store.refreshes == refreshes + 2
+    assert [c.data_ptr() for c in store.copies()] == before
+
+
+class _Allocations(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in ("empty", "empty_strided", "empty_like"):
+            self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_groups_gradients_are_views_of_one_buffer_made_by_one_allocation(monkeypatch):
+    monkeypatch.setattr(cuda_runtime, "GROUP_NUMEL", 600)  # several groups
+    model, net, ref, cpu = pair()
+    x = torch.randn(8, 16)
+    loss = net(x).square().mean()
+    allocations = _Allocations()
+    original = master_weights._GroupCast.backward
+
+    def counted(ctx, *grads):
+        with allocations:
+            return original(ctx, *grads)
+
+    monkeypatch.setattr(master_weights._GroupCast, "backward", staticmethod(counted))
+    loss.backward()
+    groups = _groups(net)
+    assert len(groups) >= 3 and allocations.calls == len(groups)
+    storages = {p.grad.untyped_storage().data_ptr() for n, p in model.named_parameters()
+                if not n.startswith("norm")}
+    assert len(storages) == len(groups)
+    cpu(x).square().mean().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert p.grad.stride() == p.stride() and _close(p.grad, q.grad)
+
+
+def _python_lines_in_groups(net, x):
+    """Python lines run in the runtime's files during one forward and backward."""
+    files = (master_weights.__file__, tensors.__file__)
+    lines = 0
+
+    def tracer(frame, event, arg):
+        nonlocal lines
+        if frame.f_code.co_filename in files:
+            if event == "line":
+                lines += 1
+            return tracer
+        return None
+
+    sys.settrace(tracer)
+    try:
+        net(x).square().mean().backward()
+    finally:
+        sys.settrace(None)
+    return lines
+
+
+class _Wide(torch.nn.Module):
+    """``n`` linears in one group: the groups' Python must not grow with ``n``."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(n))
+
+    def forward(self, x):
+        return sum(layer(x) for layer in self.layers)
+
+
+@pytest.mark.parametrize("update", [False, True], ids=["unchanged", "updated"])
+def test_the_groups_python_does_not_grow_with_the_parameters(update):
+    """No Python per parameter in the groups, on a step whose masters did not change
+    (accumulation, evaluation) and on one whose optimizer changed them in place."""
+    counts = []
+    for n in (2, 12):
+        torch.manual_seed(0)
+        model = _Wide(n)
+        net = ampgraph.compile(model, "O2", "bf16", runtime="cuda")
+        x = torch.randn(4, 16)
+        opt = _adamw_steps(net, model, 2, x)
+        if not update:
+            net(x).square().mean().backward()  # the masters stay as they are now
+        counts.append(_python_lines_in_groups(net, x))
+        if update:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            counts[-1] = _python_lines_in_groups(net, x)
+        assert len(_groups(net)) == 1
+    assert counts[0] == counts[1] > 0, counts
