@@ -18,6 +18,7 @@ from passes.fx.fold.casts import fold_casts
 from passes.fx.fold.constant_casts import fold_constant_casts
 from passes.fx.fold.dead_ops import drop_dead_ops
 from passes.fx.fold.duplicate_ops import merge_duplicate_ops
+from passes.fx.fold.mask_conversions import share_mask_conversions
 from passes.fx.fold.whole_slices import skip_whole_slices
 from passes.fx.fusions import channels_last, gather_casts, norm_casts
 from passes.fx.fusions.kv_heads import group_kv_heads
@@ -178,6 +179,8 @@ def amp_passes(
         passes.append(named("sink_gather_casts", gather_casts.sink_gather_casts, low))
     if runtime.unrepeated_kv_heads:
         passes.append(named("group_kv_heads", group_kv_heads))
+    if runtime.attention is None and policy.level != "O0":  # aten's attention: see the pass
+        passes.append(named("share_mask_conversions", share_mask_conversions, recompile=False))
     passes += [
         named("drop_dead_ops", drop_dead_ops, recompile=False),
         named("contiguous_linear_inputs", contiguous_linear_inputs, low),
