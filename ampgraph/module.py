@@ -191,6 +191,20 @@ class AmpModule(nn.Module):
             for child in compiled_children(self._amp_eager, AmpModule):
                 child.clear_weight_cache()
 
+    def mark_weights_stale(self) -> None:
+        """Make the next call write every kept low-precision copy again from its master,
+        in place where nothing else holds it (a CUDA graph captured then records the
+        refresh, so every replay makes it); the copies themselves are kept.
+
+        Example:
+            >>> net.mark_weights_stale()  # doctest: +SKIP
+        """
+        if self._amp_runtime is not None:
+            self._amp_runtime.invalidate()
+        if self._amp_eager is not None:
+            for child in compiled_children(self._amp_eager, AmpModule):
+                child.mark_weights_stale()
+
     def __deepcopy__(self, memo: dict) -> AmpModule:
         return AmpModule(copy.deepcopy(self._amp_model, memo), self.amp_resolved,
                          self._amp_path).train(self.training)

@@ -42,3 +42,7 @@ class Runtime:
 
     def clear(self) -> None:
         """Drop what is kept between calls (after ``p.data`` edits)."""
+
+    def invalidate(self) -> None:
+        """Write every kept working copy again at its next use, keeping the copies (what a
+        CUDA graph capture must record); nothing to do where no copy is kept."""

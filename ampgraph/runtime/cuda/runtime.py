@@ -72,3 +72,8 @@ class CudaRuntime(Runtime):
         self.copies.clear()
         for group in self.groups():  # their last copies would stand while the keys do
             group.forget()
+
+    def invalidate(self) -> None:
+        self.copies.invalidate()
+        for group in self.groups():
+            group.forget()

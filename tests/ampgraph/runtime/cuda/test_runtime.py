@@ -53,3 +53,19 @@ def test_clear_drops_the_copies_and_the_groups_look_them_up_again():
     again = low(w)[0]
     assert again.data_ptr() != first.data_ptr() and torch.equal(again, w.half())
     assert runtime.copies.refreshes == 2
+
+
+def test_marking_weights_stale_refreshes_the_same_copies_at_the_next_call():
+    """What a CUDA graph capture needs: the refresh runs (and is recorded) though no master
+    changed, into the copies the eager steps used."""
+    model, net, _, _ = pair()
+    x = torch.randn(2, 16)
+    net(x).sum().backward()
+    store = net._amp_runtime.copies
+    ptrs, refreshes = [c.data_ptr() for c in store.copies()], store.refreshes
+    net(x).sum().backward()
+    assert store.refreshes == refreshes, "nothing changed: no refresh"
+    net.mark_weights_stale()
+    net(x).sum().backward()
+    assert store.refreshes == refreshes + 1
+    assert [c.data_ptr() for c in store.copies()] == ptrs
