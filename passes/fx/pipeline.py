@@ -18,6 +18,7 @@ from passes.fx.fold.casts import fold_casts
 from passes.fx.fold.constant_casts import fold_constant_casts
 from passes.fx.fold.dead_ops import drop_dead_ops
 from passes.fx.fold.duplicate_ops import merge_duplicate_ops
+from passes.fx.fold.identities import skip_identity_ops
 from passes.fx.fold.mask_conversions import share_mask_conversions
 from passes.fx.fold.whole_slices import skip_whole_slices
 from passes.fx.fusions import channels_last, gather_casts, norm_casts
@@ -153,6 +154,7 @@ def amp_passes(
     ]
     if policy.level != "O0":  # O0 runs the graph's own ops
         passes.append(named("fuse_tanh_gelu", fuse_tanh_gelu))
+        passes.append(named("skip_identity_ops", skip_identity_ops, recompile=False))
     passes += [
         # ops nothing uses: they must not sway the painter (a dead top-k would keep its
         # inputs fp32 here, and a second run, without it, paint them low)
