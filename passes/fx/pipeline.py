@@ -20,6 +20,7 @@ from passes.fx.fold.dead_ops import drop_dead_ops
 from passes.fx.fold.duplicate_ops import merge_duplicate_ops
 from passes.fx.fold.identities import skip_identity_ops
 from passes.fx.fold.mask_conversions import share_mask_conversions
+from passes.fx.fold.true_masks import drop_true_masks
 from passes.fx.fold.whole_slices import skip_whole_slices
 from passes.fx.fusions import channels_last, gather_casts, norm_casts
 from passes.fx.fusions.kv_heads import group_kv_heads
@@ -155,6 +156,7 @@ def amp_passes(
     if policy.level != "O0":  # O0 runs the graph's own ops
         passes.append(named("fuse_tanh_gelu", fuse_tanh_gelu))
         passes.append(named("skip_identity_ops", skip_identity_ops, recompile=False))
+        passes.append(named("drop_true_masks", drop_true_masks, recompile=False))
     passes += [
         # ops nothing uses: they must not sway the painter (a dead top-k would keep its
         # inputs fp32 here, and a second run, without it, paint them low)

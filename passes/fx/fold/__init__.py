@@ -6,6 +6,7 @@
   skipped;
 - ``mask_conversions``: :func:`share_mask_conversions`, a boolean attention mask made
   additive once per graph;
+- ``true_masks``: :func:`drop_true_masks`, an attention mask True everywhere dropped;
 - ``whole_slices``: :func:`skip_whole_slices`, slices of a whole dimension skipped;
 - ``duplicate_ops``: :func:`merge_duplicate_ops`, pure ops computed once per arguments;
 - ``dead_ops``: :func:`drop_dead_ops`, ops the rewrite left unused removed;
@@ -23,8 +24,9 @@ from passes.fx.fold.dead_ops import drop_dead_ops
 from passes.fx.fold.duplicate_ops import merge_duplicate_ops
 from passes.fx.fold.identities import skip_identity_ops
 from passes.fx.fold.mask_conversions import share_mask_conversions
+from passes.fx.fold.true_masks import drop_true_masks
 from passes.fx.fold.whole_slices import skip_whole_slices
 
-__all__ = ["count_casts", "drop_dead_ops", "fold_casts", "fold_constant_casts",
+__all__ = ["count_casts", "drop_dead_ops", "drop_true_masks", "fold_casts", "fold_constant_casts",
            "merge_duplicate_ops", "share_mask_conversions", "skip_identity_ops",
            "skip_whole_slices"]

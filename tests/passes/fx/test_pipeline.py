@@ -54,7 +54,7 @@ def test_run_amp_passes_leaves_the_collector_on():
 
 EXPECTED_PASSES = [
     "prepare", "skip_whole_slices", "merge_duplicate_ops", "fuse_tanh_gelu", "skip_identity_ops",
-    "drop_unused_ops",
+    "drop_true_masks", "drop_unused_ops",
     "build_dataflow",
     "mark_range_hazards", "mark_index_values", "paint",
     "annotate", "insert_casts",
