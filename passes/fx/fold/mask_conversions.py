@@ -51,7 +51,7 @@ def share_mask_conversions(gm: fx.GraphModule, recompile: bool = True) -> PassRe
         mask, slot = _mask(node)
         dtype = dtype_of(node.args[0])
         if mask is None or dtype_of(mask) != torch.bool or dtype not in (
-                torch.float32, torch.float16, torch.bfloat16):
+                torch.float32, torch.float16, torch.bfloat16) or _fake_mode(mask) is None:
             continue
         additive = converted.get((mask, dtype))
         if additive is None:
@@ -73,6 +73,13 @@ def _mask(node: fx.Node) -> tuple[fx.Node | None, int | str]:
         return (mask if isinstance(mask, fx.Node) else None), MASK_SLOT
     mask = node.kwargs.get("attn_mask")
     return (mask if isinstance(mask, fx.Node) else None), "attn_mask"
+
+
+def _fake_mode(mask: fx.Node) -> object | None:
+    """The fake mode of the mask's captured value (the new nodes' values are made in it),
+    or None where it has none (a graph not captured with fake tensors: left as it is)."""
+    ts = tensors(mask.meta.get("val"))
+    return getattr(ts[0], "fake_mode", None) if len(ts) == 1 else None
 
 
 def _convert(gm: fx.GraphModule, mask: fx.Node, dtype: torch.dtype) -> fx.Node:
