@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import copy
 import gc
 
 import torch
 
+import ampgraph
 from ampgraph.runtime.cuda.runtime import GROUP_NUMEL, CudaRuntime
 from passes.fx.runtime_ops import RuntimeOps
 from tests.ampgraph.runtime.cuda.helpers import pair
@@ -69,3 +71,15 @@ def test_marking_weights_stale_refreshes_the_same_copies_at_the_next_call():
     net(x).sum().backward()
     assert store.refreshes == refreshes + 1
     assert [c.data_ptr() for c in store.copies()] == ptrs
+
+
+def test_a_fused_optimizers_update_is_seen():
+    """Fused optimizers write the masters without bumping their version counters: the
+    copies would stay stale (a step-post hook bumps them)."""
+    model, net, _, _ = pair()
+    x = torch.randn(2, 16)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    net(x).sum().backward()
+    opt.step()
+    fresh = ampgraph.compile(copy.deepcopy(model), "O2", "bf16", runtime="cuda")
+    assert torch.equal(net(x), fresh(x))
