@@ -14,8 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ampgraph.train.codegen import local_grads
 from ampgraph.train.loss_scale import LossScaleManager
+from ampgraph.train.step_runtime import local_grads
 
 
 class _ScaleGrad(torch.autograd.Function):

@@ -1,4 +1,4 @@
-"""Source generation for the train step, and the runtime pieces the generated code uses.
+"""Source generation for the train step (the pieces its code calls: ``step_runtime.py``).
 
 ``build_train_step`` describes its configuration as a :class:`StepSpec`; :func:`generate`
 writes the step as straight-line Python with only the code that configuration needs (no
@@ -11,20 +11,12 @@ from __future__ import annotations
 
 import itertools
 import linecache
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import nullcontext
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-import torch.distributed as dist
-from torch import nn
-from torch.utils._pytree import tree_map
-
-from ampgraph.train.loss_scale import unscale_by_device
-
-__all__ = ["ALWAYS", "FOUND_INF", "HOST", "Counters", "StepOutput", "StepSpec", "generate",
-           "make_step_function", "runtime_helpers"]
+__all__ = ["ALWAYS", "FOUND_INF", "HOST", "PHASES", "StepSpec", "generate", "graph_obstacles",
+           "make_step_function", "phases"]
 
 # How the optimizer step is gated on overflow.
 HOST = "host"  # one host sync fetches (found_inf, scale); skip optimizer.step() on overflow
@@ -109,35 +101,73 @@ class StepSpec:
                              "an own update rule (update=True) decides on the host (HOST)")
 
 
-def generate(spec: StepSpec) -> str:
-    """The source of ``train_step(*args, **kwargs) -> StepOutput`` for ``spec``.
+# The phases of a step captured as CUDA graphs (``ampgraph.train.graphs``): straight-line
+# code with no counters, each a graph of its own. "whole" is a step of one micro-batch;
+# with accumulation a cycle runs "first", then "middle" ones, then "last".
+WHOLE, FIRST, MIDDLE, LAST = "whole", "first", "middle", "last"
+PHASES = (WHOLE, FIRST, MIDDLE, LAST)
+
+
+def phases(accumulation_steps: int) -> tuple[str, ...]:
+    """The phase of each call of a cycle of ``accumulation_steps`` micro-batches.
+
+    Example:
+        >>> phases(3)
+        ('first', 'middle', 'last')
+    """
+    if accumulation_steps == 1:
+        return (WHOLE,)
+    return (FIRST, *[MIDDLE] * (accumulation_steps - 2), LAST)
+
+
+def generate(spec: StepSpec, phase: str | None = None) -> str:
+    """The source of ``train_step(*args, **kwargs) -> StepOutput`` for ``spec``; with a
+    ``phase`` (``PHASES``), that phase of a step to capture as a CUDA graph, returning
+    ``(loss, info, grad_norm)`` tensors: gradients zeroed in place rather than dropped
+    (they keep their addresses), no counters, no host synchronisation.
 
     Names the source uses, all provided by the namespace: torch, dist, net, module,
     loss_fn, optimizer, manager, params, found_inf, one, counters, group, monitor,
     StepOutput, update, fp32_loss, model_loss, cast_fp32, to_host, unscale_by_device,
-    clip_grad_norm_, nullcontext, local_grads, full_tensor.
+    clip_grad_norm_, nullcontext, local_grads, full_tensor, zero_grads.
+
+    Raises:
+        ValueError: a phase the spec cannot run as a graph (a host decision, a
+            collective, a monitor: see ``graph_obstacles``), or an unknown phase.
 
     Example:
         >>> "clip_grad_norm_" in generate(StepSpec(title="O2 bf16"))
         False
     """
+    if phase is not None:
+        if phase not in PHASES:
+            raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
+        obstacles = graph_obstacles(spec)
+        if obstacles:
+            raise ValueError(f"this step cannot be captured as a CUDA graph: {obstacles[0]}")
     n = spec.accumulation_steps
     last = n - 1
+    title = spec.title if phase is None else f"{spec.title}; CUDA graph phase {phase!r}"
     lines = [
         "def train_step(*args, **kwargs):",
-        f'    """ampgraph train step: {spec.title}."""',
+        f'    """ampgraph train step: {title}."""',
     ]
     add = lines.append
     # 1. start of a cycle: fresh gradients and a clear overflow flag
     indent = "    "
-    add("    # start of a cycle: fresh gradients, clear overflow flag")
-    if n > 1:
-        add("    micro = counters.micro")
-        add("    if micro == 0:")
-        indent = "        "
-    add(f"{indent}for p in params:")
-    add(f"{indent}    p.grad = None")
-    add(f"{indent}found_inf.zero_()")
+    if phase is None:
+        add("    # start of a cycle: fresh gradients, clear overflow flag")
+        if n > 1:
+            add("    micro = counters.micro")
+            add("    if micro == 0:")
+            indent = "        "
+        add(f"{indent}for p in params:")
+        add(f"{indent}    p.grad = None")
+        add(f"{indent}found_inf.zero_()")
+    elif phase in (WHOLE, FIRST):
+        add("    # start of a cycle: gradients zeroed in place (addresses kept), flag cleared")
+        add("    zero_grads(params)")
+        add("    found_inf.zero_()")
     add("    scale = manager.scale" if spec.scaled else "    scale = one")
     # 2. forward (fp32 loss), non-finite loss check, backward of loss x scale
     add("    # forward through the compiled model, loss in fp32, backward of loss x scale")
@@ -156,11 +186,20 @@ def generate(spec: StepSpec) -> str:
     divisor = f" / {n}" if n > 1 else ""
     target = f"(loss{divisor}{factor})" if factor or divisor else "loss"
     add(f"{body}{target}.backward()")
-    if n > 1:
+    if phase in (FIRST, MIDDLE):
+        add("    return loss.detach(), torch.stack((found_inf, scale)), None")
+        return "\n".join(lines) + "\n"
+    if phase is None and n > 1:
         add(f"    if micro != {last}:")
         add("        counters.micro = micro + 1")
         add("        return StepOutput(loss.detach(), torch.stack((found_inf, scale)), False)")
         add("    counters.micro = 0")
+    _finish(spec, add, graphed=phase is not None)
+    return "\n".join(lines) + "\n"
+
+
+def _finish(spec: StepSpec, add: Callable[[str], None], graphed: bool) -> None:
+    """Unscale, agree, clip, step and update: the lines after the last backward."""
     # 3. unscale in fp32 with the fused non-finite check
     if spec.custom_unscale:
         add("    # the manager unscales (per-layer scales); found_inf = 1 if any is inf/NaN")
@@ -230,9 +269,36 @@ def generate(spec: StepSpec) -> str:
     # 7. manager update (on the device)
     if spec.dynamic:
         add("    manager.update_loss_scale(found_inf)  # on the device, no sync")
+    if graphed:
+        add(f"    return loss.detach(), info, {grad_norm}")
+        return
     add("    counters.step_index += 1")
     add(f"    return StepOutput(loss.detach(), info, True, {grad_norm}, {host})")
-    return "\n".join(lines) + "\n"
+
+
+def graph_obstacles(spec: StepSpec) -> list[str]:
+    """Why a step of ``spec`` cannot be captured as a CUDA graph (empty: it can), each
+    reason naming what to change.
+
+    Example:
+        >>> graph_obstacles(StepSpec(title="t"))[0][:40]
+        'the optimizer step is decided on the hos'
+    """
+    reasons = []
+    if spec.decision == HOST:
+        reasons.append("the optimizer step is decided on the host (a synchronisation each "
+                       "step): use a fused optimizer, e.g. torch.optim.AdamW(params, "
+                       "fused=True, capturable=True), which skips an overflowing step on "
+                       "the device")
+    for flag, what in (("distributed", "a collective over a process group (DDP, FSDP2)"),
+                       ("sharded", "DTensor (FSDP2) gradients"),
+                       ("monitor", "a monitor called from the step"),
+                       ("multi_device", "parameters on several devices"),
+                       ("custom_unscale", "a manager that unscales per layer"),
+                       ("update", "16-bit weights updated by ampgraph's own rule")):
+        if getattr(spec, flag):
+            reasons.append(f"{what} is not captured: build the step without it")
+    return reasons
 
 
 def make_step_function(source: str, namespace: dict[str, Any]) -> Callable[..., Any]:
@@ -248,145 +314,3 @@ def make_step_function(source: str, namespace: dict[str, Any]) -> Callable[..., 
     scope = dict(namespace)
     exec(compile(source, filename, "exec"), scope)  # noqa: S102 - our own generated code
     return scope["train_step"]
-
-
-class StepOutput:
-    """What one call of a :class:`TrainStep` returns.
-
-    Attributes:
-        loss: the micro-batch loss, fp32, unscaled, detached (a 0-dim tensor; no sync).
-        stepped: True on the call that ran the optimizer step (every call unless
-            ``accumulation_steps > 1``, then every N-th).
-        grad_norm: total norm of the unscaled gradients before clipping (a tensor), or None
-            when clipping is off or the call did not step.
-        overflow: gradients or loss were not finite, so the optimizer step was skipped (on a
-            non-stepping call: a non-finite loss so far in the cycle).
-        loss_scale: the scale this step used (1.0 without a manager).
-
-    It unpacks as ``loss, overflow, loss_scale`` (MindSpore's TrainOneStepWithLossScaleCell).
-
-    Example:
-        >>> out = StepOutput(torch.tensor(0.5), torch.tensor([0.0, 1024.0]), True)
-        >>> loss, overflow, loss_scale = out
-        >>> overflow, loss_scale
-        (False, 1024.0)
-
-    ``overflow`` and ``loss_scale`` come from the step's single host synchronisation; when
-    the step ran without one (fused optimizers, ``drop_overflow_update=False``) they are
-    fetched, in one synchronisation, the first time either is read.
-    """
-
-    __slots__ = ("loss", "stepped", "grad_norm", "_info", "_host")
-
-    def __init__(
-        self,
-        loss: torch.Tensor,
-        info: torch.Tensor,
-        stepped: bool,
-        grad_norm: torch.Tensor | None = None,
-        host: list[float] | None = None,
-    ) -> None:
-        self.loss, self.stepped, self.grad_norm = loss, stepped, grad_norm
-        self._info, self._host = info, host
-
-    def _fetch(self) -> list[float]:
-        if self._host is None:
-            self._host = self._info.tolist()
-        return self._host
-
-    @property
-    def overflow(self) -> bool:
-        return bool(self._fetch()[0])
-
-    @property
-    def loss_scale(self) -> float:
-        return float(self._fetch()[1])
-
-    def __iter__(self) -> Iterator[Any]:
-        """``loss, overflow, loss_scale = out``, like MindSpore's TrainOneStepWithLossScaleCell."""
-        return iter((self.loss, self.overflow, self.loss_scale))
-
-    def __repr__(self) -> str:
-        return (f"StepOutput(loss={self.loss.item():.6g}, overflow={self.overflow}, "
-                f"loss_scale={self.loss_scale}, stepped={self.stepped})")
-
-
-class Counters:
-    """The step's mutable counters: micro-batch within the cycle, optimizer steps so far."""
-
-    __slots__ = ("micro", "step_index")
-
-    def __init__(self) -> None:
-        self.micro = 0
-        self.step_index = 0
-
-
-# -- runtime helpers the generated code calls ---------------------------------------------
-
-
-def fp32_loss(value: Any) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor) or value.numel() != 1:
-        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-        raise ValueError(
-            f"the loss must be a one-element tensor, got {shape}: reduce it in loss_fn "
-            f"(e.g. reduction='mean') or in the model"
-        )
-    if value.dtype != torch.float32:
-        value = value.float()
-    return value.reshape(()) if value.dim() else value
-
-
-def model_loss(output: Any) -> Any:
-    if isinstance(output, torch.Tensor):
-        return output
-    loss = getattr(output, "loss", None)
-    if loss is None and isinstance(output, Mapping):
-        loss = output.get("loss")
-    if loss is None:
-        raise ValueError(
-            f"with loss_fn=None the model must return its loss: a scalar tensor or an object "
-            f"with .loss (HuggingFace models: pass labels=...), got {type(output).__name__}"
-        )
-    return loss
-
-
-def cast_fp32(output: Any) -> Any:
-    def cast(t: Any) -> Any:
-        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float32:
-            return t.float()
-        return t
-
-    return tree_map(cast, output)
-
-
-def to_host(info: torch.Tensor) -> list[float]:
-    """The step's one host synchronisation: [found_inf, scale] as Python floats."""
-    return info.tolist()
-
-
-def local_grads(params: list[nn.Parameter]) -> list[torch.Tensor]:
-    """The gradients as plain tensors; a DTensor gradient gives its local shard (a view:
-    unscaling it in place unscales the DTensor)."""
-    return [g.to_local() if hasattr(g, "to_local") else g
-            for g in (p.grad for p in params) if g is not None]
-
-
-def full_tensor(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor (e.g. the norm ``clip_grad_norm_`` returns over sharded gradients) as the
-    full plain tensor; a plain tensor unchanged."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-def runtime_helpers() -> dict[str, Any]:
-    """The helper names the generated source uses (looked up now, so tests can patch them).
-
-    Example:
-        >>> sorted(runtime_helpers())[:3]
-        ['cast_fp32', 'clip_grad_norm_', 'dist']
-    """
-    return {
-        "torch": torch, "dist": dist, "fp32_loss": fp32_loss, "model_loss": model_loss,
-        "cast_fp32": cast_fp32, "to_host": to_host, "unscale_by_device": unscale_by_device,
-        "clip_grad_norm_": torch.nn.utils.clip_grad_norm_, "nullcontext": nullcontext,
-        "local_grads": local_grads, "full_tensor": full_tensor,
-    }

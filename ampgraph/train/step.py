@@ -21,12 +21,20 @@ from ampgraph.train.codegen import (
     ALWAYS,
     FOUND_INF,
     HOST,
-    Counters,
-    StepOutput,
+    LAST,
+    WHOLE,
     StepSpec,
     generate,
     make_step_function,
-    runtime_helpers,
+    phases,
+)
+from ampgraph.train.graph_engines import CudaGraphEngine, ReplayCheck
+from ampgraph.train.graphs import (
+    GraphCapture,
+    StepGraphs,
+    graph_inputs,
+    mark_weights_stale,
+    resolve_capture,
 )
 from ampgraph.train.loss_scale import LossScaleManager, resolve_manager
 from ampgraph.train.low_precision_weights import (
@@ -44,10 +52,9 @@ from ampgraph.train.network import (
     resolve_network,
     train_params,
 )
+from ampgraph.train.step_runtime import Counters, StepOutput, runtime_helpers
 
-__all__ = ["StepOutput", "TrainStep", "build_train_step"]
-
-
+__all__ = ["GraphCapture", "StepOutput", "TrainStep", "build_train_step"]
 
 
 class TrainStep:
@@ -79,6 +86,7 @@ class TrainStep:
         group: Any,
         params: list[nn.Parameter],
         update: LowPrecisionUpdate | None = None,
+        graph_capture: GraphCapture | None = None,
     ) -> None:
         self.network, self.module = network, module
         self.loss_fn, self.optimizer = loss_fn, optimizer
@@ -96,18 +104,29 @@ class TrainStep:
         self._params = params
         self._found_inf = torch.zeros((), dtype=torch.float32, device=device)
         self._code = generate(spec)
-        self._fn = make_step_function(self._code, {
+        namespace = {
             **runtime_helpers(), "net": network, "module": module, "loss_fn": loss_fn,
             "optimizer": optimizer, "manager": manager, "params": params,
             "found_inf": self._found_inf,
             "one": torch.ones((), dtype=torch.float32, device=device),
             "counters": self._counters, "group": group, "monitor": monitor,
             "StepOutput": StepOutput, "update": update,
-        })
+        }
+        self._fn = make_step_function(self._code, namespace)
+        self.graphs: StepGraphs | None = None  # the CUDA graphs of the step, if captured
+        self._phases = phases(spec.accumulation_steps)
+        if graph_capture is not None:
+            self.graphs = StepGraphs(
+                {phase: make_step_function(generate(spec, phase), namespace)
+                 for phase in set(self._phases)},
+                params, optimizer, refresh=lambda: mark_weights_stale(network),
+                holds=lambda: graph_inputs(network, params),
+                engine=ReplayCheck() if graph_capture.check else CudaGraphEngine(),
+                config=graph_capture)
 
     @property
     def code(self) -> str:
-        """The Python source of the generated step."""
+        """The Python source of the generated (eager) step."""
         return self._code
 
     @property
@@ -122,9 +141,32 @@ class TrainStep:
             >>> out = train_step.step(x, y)  # doctest: +SKIP
             >>> out.loss, out.overflow, out.loss_scale  # doctest: +SKIP
         """
+        if self.graphs is not None:
+            return self._graphed(args, kwargs)
         return self._fn(*args, **kwargs)
 
     __call__ = step
+
+    def _graphed(self, args: tuple, kwargs: dict) -> StepOutput:
+        counters = self._counters
+        phase = self._phases[counters.micro]
+        loss, info, grad_norm = self.graphs(phase, args, kwargs)
+        if phase not in (WHOLE, LAST):
+            counters.micro += 1
+            return StepOutput(loss, info, False)
+        counters.micro = 0
+        counters.step_index += 1
+        return StepOutput(loss, info, True, grad_norm)
+
+    def reset_graphs(self) -> None:
+        """Drop the step's CUDA graphs: each input signature warms up and captures again
+        (after replacing the optimizer's state, the parameters or a float hyperparameter).
+
+        Example:
+            >>> train_step.reset_graphs()  # doctest: +SKIP
+        """
+        if self.graphs is not None:
+            self.graphs.reset()
 
     def state_dict(self) -> dict[str, Any]:
         """Model, optimizer, loss-scale and counter state; resuming from it continues exactly.
@@ -174,6 +216,7 @@ class TrainStep:
         for p in self._params:  # no gradient or flag of this process leaks into the resumed run
             p.grad = None
         self._found_inf.zero_()
+        self.reset_graphs()  # the graphs wrote the old gradients and optimizer state
 
     def __repr__(self) -> str:
         return f"TrainStep({self.spec.title})"
@@ -191,6 +234,7 @@ def build_train_step(
     accumulation_steps: int = 1,
     monitor: Any = None,
     master_weights: str = "fp32",
+    cuda_graph: bool | GraphCapture = False,
     **compile_kwargs: Any,
 ) -> TrainStep:
     """Compile ``model`` and generate a mixed-precision training step for it.
@@ -222,13 +266,24 @@ def build_train_step(
             (``ampgraph.train.low_precision_weights``; SGD, Adam, AdamW); "none": 16-bit
             parameters with round-to-nearest updates (a baseline). Build the step before the
             compiled model's first call.
+        cuda_graph: capture the whole step (forward, backward, unscale, overflow check,
+            loss-scale update, optimizer step, the weights' refresh) as CUDA graphs and
+            replay them: ``True`` or a :class:`GraphCapture` (warm-up calls, graphs kept,
+            ``check=True`` to check on any device that the step could be captured). One
+            graph per input signature and accumulation phase; the optimizer must skip an
+            overflowing step on the device: ``torch.optim.AdamW(params, fused=True,
+            capturable=True)`` (or Adam, or SGD without momentum, fused). Where capture is
+            impossible (no CUDA device, a collective, a monitor, a model that
+            synchronises) the step runs eagerly with a warning. docs/training.md#cuda-graphs.
         **compile_kwargs: forwarded to ``ampgraph.compile`` (keep_batchnorm_fp32, ...).
 
     Returns:
         A :class:`TrainStep`; ``step(*args, **kwargs)`` returns a :class:`StepOutput`.
 
     Raises:
-        ValueError: invalid arguments, or a level/dtype that contradicts a compiled model.
+        ValueError: invalid arguments, a level/dtype that contradicts a compiled model, or
+            ``cuda_graph`` with an optimizer that cannot be captured (the message names the
+            fix).
 
     Example:
         >>> step = build_train_step(model, nn.functional.cross_entropy, opt)  # doctest: +SKIP
@@ -286,7 +341,7 @@ def build_train_step(
     return TrainStep(
         network=network, module=module, loss_fn=loss_fn, optimizer=optimizer, manager=manager,
         spec=spec, clip_grad_norm=clip_grad_norm, monitor=monitor, group=group, params=params,
-        update=update,
+        update=update, graph_capture=resolve_capture(cuda_graph, spec, optimizer, device),
     )
 
 

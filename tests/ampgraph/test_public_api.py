@@ -6,7 +6,7 @@ import ampgraph
 
 EXPECTED = {
     "AdaptiveLossScaleManager", "AmpConfig", "AmpModule", "DynamicLossScaleManager",
-    "FixedLossScaleManager",
+    "FixedLossScaleManager", "GraphCapture",
     "LossScaleManager", "NumericsMonitor", "NumericsWarning", "OnnxModelError",
     "PrecisionReport", "StepOutput", "TrainStep", "ValidationReport", "build_train_step",
     "compile", "convert_onnx", "explain", "export_onnx", "onnx_session", "validate_onnx",

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ampgraph
-import ampgraph.train.codegen as codegen
+import ampgraph.train.step_runtime as step_runtime
 from ampgraph.train.adaptive_scale import AdaptiveLossScaleManager
 from ampgraph.train.loss_scale import DynamicLossScaleManager, FixedLossScaleManager
 from ampgraph.train.step import build_train_step
@@ -184,8 +184,8 @@ def test_loss_scaling_rescues_underflow():
 )
 def test_host_syncs_per_step(net, monkeypatch, opt_name, manager, expected):
     fetches = []
-    real = codegen.to_host
-    monkeypatch.setattr(codegen, "to_host", lambda t: fetches.append(1) or real(t))
+    real = step_runtime.to_host
+    monkeypatch.setattr(step_runtime, "to_host", lambda t: fetches.append(1) or real(t))
     opt = OPTIMIZERS[opt_name](net.parameters())
     step = build_train_step(net, F.cross_entropy, opt, loss_scale_manager=manager(),
                             clip_grad_norm=1.0)

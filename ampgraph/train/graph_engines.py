@@ -1,0 +1,191 @@
+"""How a step is captured once and replayed: CUDA graphs, or a check of the same on any device.
+
+:class:`~ampgraph.train.graphs.StepGraphs` hands an engine a phase function and its static
+inputs. Every engine offers ``warmup`` (run it as an ordinary call), ``capture`` (record
+it, run it once for the call that asked, and return its outputs) and ``replay`` (run the
+record again; the outputs are the same tensors, written again).
+
+- :class:`CudaGraphEngine`: ``torch.cuda.graph`` on a side stream, warm-up on that stream
+  too (what ``torch.cuda.make_graphed_callables`` and torch's whole-network example do), a
+  private memory pool per graph: graphs of several input shapes are replayed in any order,
+  so none may reuse another's memory.
+- :class:`ReplayCheck`: no graph; it runs the function again at each replay under a
+  dispatch mode and checks what a CUDA graph relies on: no host synchronisation, the same
+  aten ops in the same order, and every tensor made before the run (parameters, gradients,
+  working copies, optimizer state, the loss scale, the static inputs) read and written at
+  the address it had at capture. A graph replays the addresses it recorded, so a step that
+  moved one would read stale memory on a GPU; on the CPU this check finds it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["CaptureMismatch", "CudaGraphEngine", "ReplayCheck", "SYNC_OPS"]
+
+# aten ops that wait for the device: a value read on the host, or an output whose size
+# depends on the data
+SYNC_OPS = frozenset({
+    "_local_scalar_dense", "item", "is_nonzero", "nonzero", "equal", "masked_select",
+    "_unique", "_unique2", "unique_consecutive", "unique_dim", "nonzero_static",
+})
+
+
+class CaptureMismatch(RuntimeError):
+    """A step that a CUDA graph would not replay faithfully (raised by :class:`ReplayCheck`)."""
+
+
+class CudaGraphEngine:
+    """Capture with ``torch.cuda.graph`` and replay with ``CUDAGraph.replay``.
+
+    Example:
+        >>> engine = CudaGraphEngine()  # doctest: +SKIP
+        >>> graph, out = engine.capture(step, args, kwargs, prepare=lambda: None)  # +SKIP
+    """
+
+    def __init__(self) -> None:
+        self._stream: Any = None
+
+    def _side(self) -> Any:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        return self._stream
+
+    def warmup(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """One ordinary call on the side stream the capture will use (lazy state, cuBLAS
+        workspaces and autograd's streams are set up outside the capture)."""
+        stream = self._side()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            out = fn(*args, **kwargs)
+        torch.cuda.current_stream().wait_stream(stream)
+        return out
+
+    def capture(self, fn: Callable[..., Any], args: tuple, kwargs: dict,
+                prepare: Callable[[], None]) -> tuple[Any, Any]:
+        """Record ``fn(*args, **kwargs)`` after ``prepare()``, then replay it once: the
+        capture only records, and the call that asked must still train."""
+        graph = torch.cuda.CUDAGraph()
+        prepare()
+        with torch.cuda.graph(graph, stream=self._side()):
+            out = fn(*args, **kwargs)
+        graph.replay()
+        return graph, out
+
+    def replay(self, handle: Any, out: Any) -> Any:
+        handle.replay()
+        return out
+
+
+class ReplayCheck:
+    """A stand-in for :class:`CudaGraphEngine` on any device that checks a step could be
+    captured; see the module docstring. Slow (every op goes through a dispatch mode): for
+    tests and for checking a step on a machine without a GPU.
+
+    Example:
+        >>> handle, out = ReplayCheck().capture(fn, (x,), {}, prepare=lambda: None)  # +SKIP
+    """
+
+    def warmup(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        return fn(*args, **kwargs)
+
+    def capture(self, fn: Callable[..., Any], args: tuple, kwargs: dict,
+                prepare: Callable[[], None]) -> tuple[Any, Any]:
+        prepare()
+        trace = _Trace()
+        with trace:
+            out = fn(*args, **kwargs)
+        trace.check_syncs("capture")
+        return _Recorded(fn, args, kwargs, prepare, trace.ops), out
+
+    def replay(self, handle: _Recorded, out: Any) -> Any:
+        handle.prepare()  # what the graph recorded after it runs again on every replay
+        trace = _Trace()
+        with trace:
+            new = handle.fn(*handle.args, **handle.kwargs)
+        trace.check_syncs(f"replay {handle.replays + 1}")
+        handle.compare(trace.ops)
+        with torch.no_grad():  # a graph writes its outputs where it recorded them
+            for static, fresh in zip(_tensors(out), _tensors(new)):
+                static.copy_(fresh)
+        return out
+
+
+class _Recorded:
+    def __init__(self, fn: Callable[..., Any], args: tuple, kwargs: dict,
+                 prepare: Callable[[], None], ops: list[tuple]) -> None:
+        self.fn, self.args, self.kwargs, self.prepare, self.ops = fn, args, kwargs, prepare, ops
+        self.replays = 0
+
+    def compare(self, ops: list[tuple]) -> None:
+        self.replays += 1
+        for i, (then, now) in enumerate(zip(self.ops, ops)):
+            if then[0] != now[0]:
+                raise CaptureMismatch(
+                    f"replay {self.replays} ran aten.{now[0]} where the capture ran "
+                    f"aten.{then[0]} (op {i}): the step's Python took another branch, which "
+                    "a CUDA graph would not; the graph replays what it captured")
+            if then[1] != now[1]:
+                raise CaptureMismatch(
+                    f"replay {self.replays}: aten.{now[0]} (op {i}) read or wrote a tensor made "
+                    "before the step at another address than at capture "
+                    f"({_moved(then[1], now[1])}); a CUDA graph would use the old memory: "
+                    "keep what the step reads between steps in place")
+        if len(ops) != len(self.ops):
+            raise CaptureMismatch(
+                f"replay {self.replays} ran {len(ops)} aten ops where the capture ran "
+                f"{len(self.ops)}: the step's Python took another branch")
+
+
+def _moved(then: tuple, now: tuple) -> str:
+    for (slot, a), (_, b) in zip(then, now):
+        if a != b:
+            return f"argument {slot}: {a:#x} then, {b:#x} now"
+    return f"{len(then)} tensors then, {len(now)} now"
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+
+
+class _Trace(TorchDispatchMode):
+    """Every aten op of a run with the storages it touched that were made before the run
+    (a storage first seen as an op's output was made in the run: a graph's own memory)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[str, tuple]] = []
+        self.syncs: list[str] = []
+        self._made: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        if name in SYNC_OPS:
+            self.syncs.append(name)
+        before = []
+        for slot, t in enumerate(tree_flatten((args, kwargs))[0]):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                ptr = t.untyped_storage().data_ptr()
+                if ptr and ptr not in self._made:
+                    before.append((slot, ptr))
+        out = func(*args, **kwargs)
+        seen = {p for _, p in before}
+        for t in _tensors(out):
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in seen:
+                self._made.add(ptr)
+        self.ops.append((name, tuple(before)))
+        return out
+
+    def check_syncs(self, when: str) -> None:
+        if self.syncs:
+            raise CaptureMismatch(
+                f"the step synchronises with the device ({', '.join(sorted(set(self.syncs)))} "
+                f"at {when}): a CUDA graph cannot capture a value read on the host; keep "
+                "decisions on the device (a fused optimizer taking found_inf)")
