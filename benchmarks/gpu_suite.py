@@ -23,7 +23,12 @@ time-out keeps what was measured. The modes:
   loss scale);
 - ``floor``: the model cast to bf16 as a whole (no fp32 masters: the lower bound);
 - ``autocast-compile`` (autocast + ``torch.compile``) and ``O2-inductor``
-  (``backend="inductor"``): each compiles for tens of seconds per model.
+  (``backend="inductor"``): each compiles for tens of seconds per model;
+- ``O2-graphed``: ``ampgraph.build_train_step(..., cuda_graph=True)``, the whole bf16 step
+  as one CUDA graph; it needs a fused optimizer, ``torch.optim.AdamW(fused=True,
+  capturable=True)``; ``autocast-fused`` and ``floor-fused``: autocast and the floor with
+  that optimizer too, for a like-for-like comparison. Inference of ``O2-graphed`` is O2's
+  eager inference (the same compiled module).
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ import ampgraph
 
 MODELS = ("bert", "gpt2", "llama", "resnet50", "vit")
 MODES = ("fp32", "autocast", "autocast-fp16", "O2", "O2-fp16", "floor", "autocast-compile",
-         "O2-inductor")
+         "O2-inductor", "O2-graphed", "autocast-fused", "floor-fused")
 
 
 def build(name: str, smoke: bool, device: str) -> tuple[nn.Module, dict, Callable, str]:
@@ -123,7 +128,7 @@ class GpuMode:
         self.low = torch.float16 if name.endswith("fp16") else torch.bfloat16
         self.autocast = name.startswith("autocast")
         self.scaler = self.step = None
-        if name == "floor":
+        if name.startswith("floor"):
             self.model = self.model.to(torch.bfloat16)
             self.inputs = {k: v.to(torch.bfloat16) if v.is_floating_point() else v
                            for k, v in inputs.items()}
@@ -133,11 +138,16 @@ class GpuMode:
                                         backend="inductor" if name == "O2-inductor" else None)
         elif name == "autocast-compile":
             self.net = torch.compile(self.model)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-5)
+        fused = name in ("O2-graphed", "autocast-fused", "floor-fused")
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-5, **(
+            dict(fused=True, capturable=True) if fused else {}))
         if name == "autocast-fp16":
             self.scaler = torch.amp.GradScaler(device)
         elif name == "O2-fp16":
             self.step = ampgraph.build_train_step(self.net, lambda out, _: loss(out), self.opt)
+        elif name == "O2-graphed":
+            self.step = ampgraph.build_train_step(self.net, lambda out, _: loss(out), self.opt,
+                                                  cuda_graph=True)
         self.skipped = 0
 
     def forward(self) -> Any:
@@ -262,7 +272,8 @@ def run(args: Any) -> dict:
                        train_ms=train[m.name]["median_ms"], infer_ms=infer[m.name]["median_ms"],
                        train_host_ms=train[m.name]["host_ms"],
                        train_min_max=[train[m.name]["min_ms"], train[m.name]["max_ms"]])
-            base = "autocast-fp16" if m.name == "O2-fp16" else "autocast"
+            base = {"O2-fp16": "autocast-fp16", "floor-fused": "autocast-fused"}.get(
+                m.name, "autocast")
             if base in train:
                 row["train_x"] = train[base]["median_ms"] / row["train_ms"]
                 row["infer_x"] = infer[base]["median_ms"] / row["infer_ms"]
@@ -271,6 +282,8 @@ def run(args: Any) -> dict:
             if not m.name.endswith(("compile", "inductor")):
                 row["peak_mib"] = peak_mib(m)
                 row.update(copy_kernels(m))
+            if m.step is not None and m.step.graphs is not None:
+                row["graphs"] = m.step.graphs.captures
             if m.name.startswith("O2"):
                 row["working_copies_mib"] = sum(
                     c.numel() * c.element_size() for c in m.net.working_copies()) / 2**20
