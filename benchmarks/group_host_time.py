@@ -16,6 +16,7 @@ counts the
 allocations (``empty``/``empty_strided``) and multi-tensor copies the groups make per step.
 
     python benchmarks/group_host_time.py               # BERT-base depth, hidden 64
+    python benchmarks/group_host_time.py --hidden 768  # BERT-base itself: 7 groups
     python benchmarks/group_host_time.py --smoke       # 2 layers: a harness check
 """
 
@@ -79,12 +80,14 @@ class _Allocations(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def build(smoke: bool) -> tuple[torch.nn.Module, dict, torch.Tensor]:
+def build(smoke: bool, hidden: int = 64) -> tuple[torch.nn.Module, dict, torch.Tensor]:
     import transformers as tf
 
     torch.manual_seed(0)
-    config = tf.BertConfig(hidden_size=64, num_hidden_layers=2 if smoke else 12,
-                           num_attention_heads=2, intermediate_size=256, vocab_size=1000)
+    config = tf.BertConfig(hidden_size=hidden, num_hidden_layers=2 if smoke else 12,
+                           num_attention_heads=2 if hidden < 256 else 12,
+                           intermediate_size=4 * hidden,
+                           vocab_size=1000 if hidden < 256 else 30522)
     model = tf.BertForSequenceClassification(config)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(1, config.vocab_size, (8, 32), generator=g)
@@ -92,8 +95,8 @@ def build(smoke: bool) -> tuple[torch.nn.Module, dict, torch.Tensor]:
         torch.randint(0, 2, (8,), generator=g)
 
 
-def measure(steps: int, warmup: int, smoke: bool) -> dict[str, Any]:
-    model, inputs, labels = build(smoke)
+def measure(steps: int, warmup: int, smoke: bool, hidden: int = 64) -> dict[str, Any]:
+    model, inputs, labels = build(smoke, hidden)
     net = ampgraph.compile(model, "O2", "bf16", runtime="cuda")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     timer = _Timer()
@@ -141,10 +144,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--hidden", type=int, default=64,
+                        help="768: BERT-base's own width (7 groups, slow copies on a CPU)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # host work: one thread, less noise from the other core
-    r = measure(3 if args.smoke else args.steps, 1 if args.smoke else args.warmup, args.smoke)
+    r = measure(3 if args.smoke else args.steps, 1 if args.smoke else args.warmup, args.smoke,
+                args.hidden)
     print(f"{r['parameters']} parameters in {r['groups']} groups; median ms per step:")
     print(f"  groups' forward  {r['forward']:8.3f}")
     print(f"  groups' backward {r['backward']:8.3f}")

@@ -241,19 +241,20 @@ def resolve_capture(option: Any, spec: StepSpec, optimizer: torch.optim.Optimize
     if not isinstance(option, GraphCapture):
         raise ValueError(f"cuda_graph must be a bool or an ampgraph.GraphCapture, got "
                          f"{option!r}")
+    # torch refuses to capture an optimizer with a param group's capturable off (fused too)
     not_capturable = [i for i, g in enumerate(optimizer.param_groups)
-                      if g.get("capturable") is False and not g.get("fused")]
+                      if g.get("capturable") is False]
     decided_on_host = spec.decision == HOST and not (spec.update or spec.sharded)
     if decided_on_host or not_capturable:
         name = type(optimizer).__name__
+        why = (f"param groups {not_capturable} are not capturable" if not_capturable else
+               "it cannot skip an overflowing step on the device, so the step would decide "
+               "on the host")
         raise ValueError(
-            f"cuda_graph: {name} cannot be captured in a CUDA graph"
-            + (f" (param groups {not_capturable} are not capturable)" if not_capturable else
-               " (it cannot skip an overflowing step on the device, so the step would decide "
-               "on the host)")
-            + f": create it with fused=True, e.g. torch.optim.{name if name in _FUSED else 'AdamW'}"
-            "(params, lr=..., fused=True, capturable=True) (SGD: fused, without momentum), "
-            "or build the step without cuda_graph")
+            f"cuda_graph: {name} cannot be captured in a CUDA graph ({why}): create it with "
+            f"torch.optim.{name if name in _FUSED else 'AdamW'}(params, lr=..., fused=True, "
+            "capturable=True) (SGD: fused=True, without momentum), or build the step "
+            "without cuda_graph")
     obstacles = [o for o in graph_obstacles(spec) if not o.startswith("the optimizer")]
     if device.type != "cuda" and not option.check:
         obstacles.insert(0, f"the model is on {device.type}: CUDA graphs need a CUDA device "

@@ -170,6 +170,7 @@ def test_new_shapes_capture_new_graphs_within_a_bounded_cache():
 def test_an_optimizer_that_cannot_be_captured_is_refused_with_the_fix():
     model = Net()
     for opt in (torch.optim.AdamW(model.parameters()),  # decides on the host
+                torch.optim.AdamW(model.parameters(), fused=True),  # torch refuses: capturable
                 torch.optim.Adam(model.parameters(), capturable=False, foreach=True)):
         with pytest.raises(ValueError, match=r"fused=True.*capturable=True"):
             ampgraph.build_train_step(model, F.cross_entropy, opt, "O2", "bf16",
@@ -178,7 +179,7 @@ def test_an_optimizer_that_cannot_be_captured_is_refused_with_the_fix():
 
 def test_without_a_cuda_device_the_step_runs_eagerly_and_says_why():
     model = Net()
-    opt = torch.optim.AdamW(model.parameters(), fused=True)
+    opt = torch.optim.AdamW(model.parameters(), fused=True, capturable=True)
     with pytest.warns(RuntimeWarning, match="runs eagerly: the model is on cpu"):
         step = ampgraph.build_train_step(model, F.cross_entropy, opt, "O2", "bf16",
                                          cuda_graph=True)
