@@ -203,6 +203,10 @@ class StepGraphs:
 def _signature(leaf: Any) -> Any:
     if isinstance(leaf, torch.Tensor):
         return (tuple(leaf.shape), leaf.stride(), leaf.dtype, leaf.device, leaf.requires_grad)
+    try:
+        hash(leaf)
+    except TypeError:  # an object the step reads as it is: the same object, the same graph
+        return ("object", id(leaf))
     return leaf
 
 
