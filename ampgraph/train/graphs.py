@@ -42,8 +42,9 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ampgraph.module import AmpModule
+from ampgraph.runtime.cuda.graphs import captures_on
 from ampgraph.train.codegen import HOST, StepSpec, graph_obstacles
-from ampgraph.train.graph_engines import CaptureMismatch
+from ampgraph.train.replay_check import CaptureMismatch
 
 __all__ = ["GraphCapture", "StepGraphs", "graph_inputs", "mark_weights_stale", "resolve_capture"]
 
@@ -106,7 +107,7 @@ class StepGraphs:
             compiled module), called before each capture.
         holds: what the graphs read that they do not make (gradients, working copies),
             kept alive with each graph.
-        engine: a ``graph_engines`` engine.
+        engine: ``runtime.cuda.graphs.CudaGraphEngine`` or ``replay_check.ReplayCheck``.
         config: the :class:`GraphCapture`.
 
     Example:
@@ -260,8 +261,8 @@ def resolve_capture(option: Any, spec: StepSpec, optimizer: torch.optim.Optimize
             "capturable=True) (SGD: fused=True, without momentum), or build the step "
             "without cuda_graph")
     obstacles = [o for o in graph_obstacles(spec) if not o.startswith("the optimizer")]
-    if device.type != "cuda" and not option.check:
-        obstacles.insert(0, f"the model is on {device.type}: CUDA graphs need a CUDA device "
+    if not captures_on(device) and not option.check:
+        obstacles.insert(0, f"the model is on {device}: CUDA graphs need a CUDA device "
                             "(GraphCapture(check=True) checks on any device that the step "
                             "could be captured)")
     if obstacles:

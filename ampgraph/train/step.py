@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ampgraph.config import dtype_name, model_device
+from ampgraph.runtime.cuda.graphs import CudaGraphEngine
 from ampgraph.train.codegen import (
     ALWAYS,
     FOUND_INF,
@@ -28,7 +29,6 @@ from ampgraph.train.codegen import (
     make_step_function,
     phases,
 )
-from ampgraph.train.graph_engines import CudaGraphEngine, ReplayCheck
 from ampgraph.train.graphs import (
     GraphCapture,
     StepGraphs,
@@ -52,6 +52,7 @@ from ampgraph.train.network import (
     resolve_network,
     train_params,
 )
+from ampgraph.train.replay_check import ReplayCheck
 from ampgraph.train.step_runtime import Counters, StepOutput, runtime_helpers
 
 __all__ = ["GraphCapture", "StepOutput", "TrainStep", "build_train_step"]

@@ -15,9 +15,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ampgraph
-from ampgraph.train.graph_engines import SYNC_OPS
 from ampgraph.train.graphs import GraphCapture, StepGraphs
 from ampgraph.train.loss_scale import DynamicLossScaleManager
+from ampgraph.train.replay_check import SYNC_OPS
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:fp16 on a CPU:RuntimeWarning"),
@@ -180,7 +180,7 @@ def test_an_optimizer_that_cannot_be_captured_is_refused_with_the_fix():
 def test_without_a_cuda_device_the_step_runs_eagerly_and_says_why():
     model = Net()
     opt = torch.optim.AdamW(model.parameters(), fused=True, capturable=True)
-    with pytest.warns(RuntimeWarning, match="runs eagerly: the model is on cpu"):
+    with pytest.warns(RuntimeWarning, match="runs eagerly: the model is on cpu: CUDA graphs need"):
         step = ampgraph.build_train_step(model, F.cross_entropy, opt, "O2", "bf16",
                                          cuda_graph=True)
     assert step.graphs is None

@@ -1,13 +1,12 @@
-"""ampgraph/train/graph_engines.py: ReplayCheck finds what a CUDA graph would not replay
-faithfully (host syncs, another branch, a tensor made before the step that moved); the
-CUDA engine is exercised by the CUDA-marked tests of test_graphs.py."""
+"""ampgraph/train/replay_check.py: ReplayCheck finds what a CUDA graph would not replay
+faithfully (host syncs, another branch, a tensor made before the step that moved)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ampgraph.train.graph_engines import CaptureMismatch, CudaGraphEngine, ReplayCheck
+from ampgraph.train.replay_check import CaptureMismatch, ReplayCheck
 
 
 def _run(fn, replays=2, **inputs):
@@ -76,17 +75,3 @@ def test_prepare_runs_before_the_capture_and_before_every_replay():
                                  {}, prepare=lambda: order.append("prepare"))
     engine.replay(handle, out)
     assert order == ["prepare", "run", "prepare", "run"]
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
-def test_cuda_engine_captures_runs_once_and_replays():
-    state = torch.zeros(3, device="cuda")
-    x = torch.ones(3, device="cuda")
-    engine = CudaGraphEngine()
-    engine.warmup(lambda x: state.add_(x), (x,), {})
-    graph, out = engine.capture(lambda x: state.add_(x) * 1, (x,), {}, prepare=lambda: None)
-    assert state.tolist() == [2.0] * 3, "the capture ran the call that asked once"
-    engine.replay(graph, out)
-    torch.cuda.synchronize()
-    assert state.tolist() == [3.0] * 3 and out.tolist() == [3.0] * 3

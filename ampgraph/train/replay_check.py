@@ -1,20 +1,17 @@
-"""How a step is captured once and replayed: CUDA graphs, or a check of the same on any device.
+"""ReplayCheck: a stand-in for CUDA graphs, on any device, that checks a step could be captured.
 
 :class:`~ampgraph.train.graphs.StepGraphs` hands an engine a phase function and its static
 inputs. Every engine offers ``warmup`` (run it as an ordinary call), ``capture`` (record
 it, run it once for the call that asked, and return its outputs) and ``replay`` (run the
-record again; the outputs are the same tensors, written again).
+record again; the outputs are the same tensors, written again). The CUDA one is
+``ampgraph.runtime.cuda.graphs.CudaGraphEngine``.
 
-- :class:`CudaGraphEngine`: ``torch.cuda.graph`` on a side stream, warm-up on that stream
-  too (what ``torch.cuda.make_graphed_callables`` and torch's whole-network example do), a
-  private memory pool per graph: graphs of several input shapes are replayed in any order,
-  so none may reuse another's memory.
-- :class:`ReplayCheck`: no graph; it runs the function again at each replay under a
-  dispatch mode and checks what a CUDA graph relies on: no host synchronisation, the same
-  aten ops in the same order, and every tensor made before the run (parameters, gradients,
-  working copies, optimizer state, the loss scale, the static inputs) read and written at
-  the address it had at capture. A graph replays the addresses it recorded, so a step that
-  moved one would read stale memory on a GPU; on the CPU this check finds it.
+:class:`ReplayCheck` makes no graph: it runs the function again at each replay under a
+dispatch mode and checks what a CUDA graph relies on: no host synchronisation, the same
+aten ops in the same order, and every tensor made before the run (parameters, gradients,
+working copies, optimizer state, the loss scale, the static inputs) read and written at
+the address it had at capture. A graph replays the addresses it recorded, so a step that
+moved one would read stale memory on a GPU; on the CPU this check finds it.
 """
 
 from __future__ import annotations
@@ -26,7 +23,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["CaptureMismatch", "CudaGraphEngine", "ReplayCheck", "SYNC_OPS"]
+__all__ = ["CaptureMismatch", "ReplayCheck", "SYNC_OPS"]
 
 # aten ops that wait for the device: a value read on the host, or an output whose size
 # depends on the data
@@ -40,50 +37,8 @@ class CaptureMismatch(RuntimeError):
     """A step that a CUDA graph would not replay faithfully (raised by :class:`ReplayCheck`)."""
 
 
-class CudaGraphEngine:
-    """Capture with ``torch.cuda.graph`` and replay with ``CUDAGraph.replay``.
-
-    Example:
-        >>> engine = CudaGraphEngine()  # doctest: +SKIP
-        >>> graph, out = engine.capture(step, args, kwargs, prepare=lambda: None)  # +SKIP
-    """
-
-    def __init__(self) -> None:
-        self._stream: Any = None
-
-    def _side(self) -> Any:
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()
-        return self._stream
-
-    def warmup(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        """One ordinary call on the side stream the capture will use (lazy state, cuBLAS
-        workspaces and autograd's streams are set up outside the capture)."""
-        stream = self._side()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            out = fn(*args, **kwargs)
-        torch.cuda.current_stream().wait_stream(stream)
-        return out
-
-    def capture(self, fn: Callable[..., Any], args: tuple, kwargs: dict,
-                prepare: Callable[[], None]) -> tuple[Any, Any]:
-        """Record ``fn(*args, **kwargs)`` after ``prepare()``, then replay it once: the
-        capture only records, and the call that asked must still train."""
-        graph = torch.cuda.CUDAGraph()
-        prepare()
-        with torch.cuda.graph(graph, stream=self._side()):
-            out = fn(*args, **kwargs)
-        graph.replay()
-        return graph, out
-
-    def replay(self, handle: Any, out: Any) -> Any:
-        handle.replay()
-        return out
-
-
 class ReplayCheck:
-    """A stand-in for :class:`CudaGraphEngine` on any device that checks a step could be
+    """A stand-in for ``CudaGraphEngine`` on any device that checks a step could be
     captured; see the module docstring. Slow (every op goes through a dispatch mode): for
     tests and for checking a step on a machine without a GPU.
 
@@ -170,7 +125,7 @@ class _Trace(TorchDispatchMode):
             self.syncs.append(name)
         before = []
         for slot, t in enumerate(tree_flatten((args, kwargs))[0]):
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            if isinstance(t, torch.Tensor) and not t.is_meta:
                 ptr = t.untyped_storage().data_ptr()
                 if ptr and ptr not in self._made:
                     before.append((slot, ptr))
