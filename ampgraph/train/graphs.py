@@ -130,6 +130,8 @@ class StepGraphs:
         entry = self._entries.get(key)
         if entry is None:
             entry = self._entries[key] = _Entry()
+            if len(self._entries) > _SIGNATURES * self.config.max_graphs:
+                self._forget_oldest_uncaptured()
         self._entries.move_to_end(key)
         fn = self.functions[phase]
         if entry.eager:
@@ -177,6 +179,14 @@ class StepGraphs:
             torch.autograd.graph.increment_version(self.params)
         return tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in out)
 
+    def _forget_oldest_uncaptured(self) -> None:
+        """Signatures that come and go (a new length every batch) never capture: forget
+        the least recently seen one so their entries do not pile up."""
+        for key, entry in self._entries.items():
+            if entry.handle is None:
+                del self._entries[key]
+                return
+
     def _evict(self) -> None:
         captured = [k for k, e in self._entries.items() if e.handle is not None]
         for key in captured[:max(0, len(captured) - self.config.max_graphs + 1)]:
@@ -199,6 +209,9 @@ class StepGraphs:
 
     def __len__(self) -> int:
         return sum(1 for e in self._entries.values() if e.handle is not None)
+
+
+_SIGNATURES = 16  # signatures remembered per graph kept (warming up, eager or captured)
 
 
 def _signature(leaf: Any) -> Any:

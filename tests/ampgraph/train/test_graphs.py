@@ -167,6 +167,16 @@ def test_new_shapes_capture_new_graphs_within_a_bounded_cache():
     assert graphed.graphs.captures == 4  # 8, 4, 6, then 8 again: evicted by 6
 
 
+def test_signatures_that_never_repeat_are_not_remembered_without_bound():
+    graphs = StepGraphs({"whole": lambda x: (x.sum(), x, None)}, [],
+                        torch.optim.SGD([torch.zeros(1)], lr=0.1), refresh=lambda: None,
+                        holds=list, engine=None, config=GraphCapture(max_graphs=1))
+    graphs.engine = type("Eager", (), {"warmup": staticmethod(lambda f, a, k: f(*a, **k))})()
+    for n in range(1, 60):  # a new length every call: warm-up calls only
+        graphs("whole", (torch.ones(n),), {})
+    assert len(graphs._entries) <= 16
+
+
 def test_an_optimizer_that_cannot_be_captured_is_refused_with_the_fix():
     model = Net()
     for opt in (torch.optim.AdamW(model.parameters()),  # decides on the host
