@@ -23,7 +23,7 @@ from passes.fx.fold.mask_conversions import share_mask_conversions
 from passes.fx.fold.true_masks import drop_true_masks
 from passes.fx.fold.whole_slices import skip_whole_slices
 from passes.fx.fusions import channels_last, gather_casts, norm_casts
-from passes.fx.fusions.kv_heads import group_kv_heads
+from passes.fx.fusions.kv_heads import group_kv_heads, stack_kv_queries
 from passes.fx.fusions.tanh_gelu import fuse_tanh_gelu
 from passes.fx.hazards import mark_range_hazards
 from passes.fx.index_values import mark_index_values
@@ -185,6 +185,8 @@ def amp_passes(
         passes.append(named("group_kv_heads", group_kv_heads))
     if runtime.attention is None and policy.level != "O0":  # aten's attention: see the pass
         passes.append(named("share_mask_conversions", share_mask_conversions, recompile=False))
+    if runtime.stacked_kv_heads:  # after the masks' conversion: converted rows repeated once
+        passes.append(named("stack_kv_queries", stack_kv_queries, recompile=False))
     passes += [
         named("drop_dead_ops", drop_dead_ops, recompile=False),
         named("contiguous_linear_inputs", contiguous_linear_inputs, low),

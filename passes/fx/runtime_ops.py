@@ -18,7 +18,11 @@ what it does differently:
 - ``linear_activations``: the activations (``passes.fx.routing.linears.ACTIVATIONS``'
   names) that ``linear`` applies itself when one is its output's only reader;
 - ``unrepeated_kv_heads``: attention takes grouped key/value heads unrepeated
-  (``fusions.group_kv_heads``), where the device's kernels run that faster.
+  (``fusions.group_kv_heads``: ``enable_gqa``), where the device's kernels run that faster;
+- ``stacked_kv_heads``: attention takes grouped key/value heads unrepeated, the query heads
+  of each stacked as its rows (``fusions.stack_kv_queries``: equal head counts, for kernels
+  that take ``enable_gqa`` with a mask on a slow path only); exclusive with
+  ``unrepeated_kv_heads``.
 """
 
 from __future__ import annotations
@@ -47,11 +51,15 @@ class RuntimeOps:
     dropout: Callable[..., Any] | None = None
     output_cast: Callable[..., Any] | None = None
     unrepeated_kv_heads: bool = False
+    stacked_kv_heads: bool = False
 
     def __post_init__(self) -> None:
         if self.weight_cast is not None and self.weight_group is not None:
             raise ValueError("RuntimeOps: weight_cast and weight_group are exclusive: a "
                              "parameter's cast is routed one way")
+        if self.unrepeated_kv_heads and self.stacked_kv_heads:
+            raise ValueError("RuntimeOps: unrepeated_kv_heads and stacked_kv_heads are "
+                             "exclusive: attention takes the unrepeated heads one way")
         if (self.linear or self.embedding) and self.weight_cast is None:
             raise ValueError("RuntimeOps: linear and embedding take the weight_cast's "
                              "parameters: give weight_cast too")

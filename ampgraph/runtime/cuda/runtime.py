@@ -71,7 +71,8 @@ class CudaRuntime(Runtime):
     def ops(self, backend: str | None) -> RuntimeOps:
         if backend is not None:  # torch.compile fuses the graph's own casts
             return RuntimeOps()
-        return RuntimeOps(weight_group=self.weight_group, group_numel=GROUP_NUMEL)
+        return RuntimeOps(weight_group=self.weight_group, group_numel=GROUP_NUMEL,
+                          stacked_kv_heads=True)
 
     def weight_group(self, specs: tuple) -> Callable[..., tuple]:
         """What a new group of parameter casts calls (``passes.fx.weight_groups``): its

@@ -28,6 +28,8 @@ def test_aten_only_fills_nothing():
     (dict(weight_cast=fn, weight_group=fn), "weight_cast and weight_group are exclusive"),
     (dict(linear=fn), "give weight_cast too"),
     (dict(embedding=fn, weight_group=fn), "give weight_cast too"),
+    (dict(unrepeated_kv_heads=True, stacked_kv_heads=True),
+     "unrepeated_kv_heads and stacked_kv_heads are exclusive"),
 ])
 def test_contradictory_ops_are_refused_naming_the_fix(ops, message):
     with pytest.raises(ValueError, match=message):
@@ -52,10 +54,12 @@ def test_frozen():
     (RuntimeOps(weight_cast=fn, embedding=fn), ["route_weight_casts", "route_embeddings"]),
     (RuntimeOps(dropout=fn, output_cast=fn), ["route_dropouts", "route_output_casts"]),
     (RuntimeOps(unrepeated_kv_heads=True), ["group_kv_heads"]),
+    (RuntimeOps(stacked_kv_heads=True), ["stack_kv_queries"]),
 ])
 def test_each_field_switches_on_its_pass(ops, routes):
-    optional = {"group_kv_heads", "group_weight_casts", "route_weight_casts", "route_linears",
-                "route_embeddings", "route_attention", "route_dropouts", "route_output_casts"}
+    optional = {"group_kv_heads", "stack_kv_queries", "group_weight_casts",
+                "route_weight_casts", "route_linears", "route_embeddings", "route_attention",
+                "route_dropouts", "route_output_casts"}
     names = [p.__name__ for p in amp_passes(make_policy("O2"), torch.bfloat16, PipelineState(),
                                             runtime=ops)]
     assert [n for n in names if n in optional] == routes

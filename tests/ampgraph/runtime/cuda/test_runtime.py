@@ -27,6 +27,9 @@ def test_eager_graphs_group_their_parameter_casts_and_a_compiler_gets_none():
     ops = runtime.ops(backend=None)
     assert ops.weight_group == runtime.weight_group and ops.group_numel == GROUP_NUMEL
     assert ops.weight_cast is None and ops.linear is None and ops.attention is None
+    # grouped key/value heads: the query heads stacked, equal head counts for every fused
+    # kernel (enable_gqa with a mask runs on cuDNN or the math path only)
+    assert ops.stacked_kv_heads and not ops.unrepeated_kv_heads
     assert runtime.ops(backend="inductor") == RuntimeOps()
 
 

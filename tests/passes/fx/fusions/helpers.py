@@ -38,11 +38,13 @@ class LnBlock(nn.Module):
         return self.fc2(self.ln(self.fc1(x)))
 
 
-def passes(model, inputs, fuse, level="O2", low=torch.bfloat16):
+def passes(model, inputs, fuse, level="O2", low=torch.bfloat16, runtime=None):
+    """``model`` exported and rewritten, every fusion on or off (``fuse``); attention on
+    repeated key/value heads grouped where ``fuse``, unless ``runtime`` says otherwise."""
     gm = torch.export.export(model, inputs, strict=False).module()
     run_amp_passes(gm, make_policy(level), low, fuse_norm_casts=fuse,
                    channels_last_inputs=fuse, sink_gather_casts=fuse,
-                   runtime=RuntimeOps(unrepeated_kv_heads=fuse))
+                   runtime=runtime or RuntimeOps(unrepeated_kv_heads=fuse))
     return gm
 
 
