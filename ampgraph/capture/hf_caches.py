@@ -10,6 +10,7 @@ import sys
 import threading
 from typing import Any, NamedTuple
 
+import torch
 from torch.utils import _pytree as pytree
 
 from ampgraph.capture.object_nodes import (
@@ -128,9 +129,11 @@ class TransformersFormat(NamedTuple):
 def _dynamic_cache_node(cls: type, cache_utils: Any) -> tuple:
     """A DynamicCache whose layers are all plain attention layers is flattened the way
     transformers' ``register_dynamic_cache_export_support`` does (keys and values, the
-    sliding windows in the context; rebuilt by ``DynamicCache(...)``), any other by its
+    sliding windows in the context; rebuilt by :func:`_rebuild_plain` where every layer is a
+    ``DynamicLayer``, by transformers' ``DynamicCache(...)`` otherwise), any other by its
     attributes, layers included (each layer class is a node of its own)."""
     plain = tuple(getattr(cache_utils, n) for n in _PLAIN_LAYERS if hasattr(cache_utils, n))
+    layer_cls = getattr(cache_utils, "DynamicLayer", None)
     hf = _transformers_format()
 
     def is_plain(cache: Any) -> bool:
@@ -151,9 +154,49 @@ def _dynamic_cache_node(cls: type, cache_utils: Any) -> tuple:
     def unflatten(values: Any, context: Any) -> Any:
         if isinstance(context, ObjectContext):
             return rebuild_object(values, context)
-        return hf[2](values, [list(context.keys), list(context.layout)])
+        cache = _rebuild_plain(cls, layer_cls, values, context)
+        if cache is None:
+            cache = hf[2](values, [list(context.keys), list(context.layout)])
+        return cache
 
     return flatten, unflatten, flatten_with_keys
+
+
+def _rebuild_plain(cls: type, layer_cls: type | None, values: list,
+                   context: TransformersFormat) -> Any | None:
+    """A ``DynamicCache`` of ``DynamicLayer``s holding the given keys and values themselves,
+    or None where the context holds anything else (a sliding window, a layer without
+    states, leaves that are not tensors): transformers' rebuild then.
+
+    Transformers' rebuild calls each new layer's ``update``: ``lazy_initialization`` (dtype,
+    device, empty keys and values), then a ``torch.cat`` of the empty tensors with the
+    states, a copy of every layer's keys and values on every call that returns a cache
+    (16 kernels a LLaMA step, 24 a GPT-2 step) that the eager model never makes. Here each
+    layer gets transformers' own ``lazy_initialization`` and then the states as they are,
+    the state ``update`` leaves, less the copy (``DynamicLayer`` never writes its tensors
+    in place: ``update`` concatenates, ``crop`` slices). Any failure building it (another
+    transformers' constructor or layer) falls back to transformers' rebuild.
+    """
+    layout = context.layout
+    state = dict(zip(context.keys, values))
+    keys, vals = state.get("key_cache"), state.get("value_cache")
+    if layer_cls is None or len(state) != 2 or not isinstance(keys, list) \
+            or not isinstance(vals, list) or not len(keys) == len(vals) == len(layout) \
+            or any(w is not None for w in layout) \
+            or not all(isinstance(t, torch.Tensor) for t in (*keys, *vals)):
+        return None
+    try:
+        cache = cls([(None, None)] * len(layout))  # empty DynamicLayers, no update
+        layers = cache.layers
+        if len(layers) != len(layout) or any(
+                type(layer) is not layer_cls or layer.is_initialized for layer in layers):
+            return None
+        for layer, k, v in zip(layers, keys, vals):
+            layer.lazy_initialization(k, v)
+            layer.keys, layer.values = k, v
+    except Exception:  # noqa: BLE001 -- a transformers whose classes differ: its own rebuild
+        return None
+    return cache
 
 
 def _transformers_format() -> tuple | None:

@@ -7,10 +7,12 @@ from __future__ import annotations
 import importlib
 import sys
 import warnings
+from collections import Counter
 
 import pytest
 import torch
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import ampgraph
 from ampgraph.capture import register_hf_caches
@@ -140,6 +142,96 @@ def test_plain_dynamic_cache_keeps_transformers_own_format():
     rebuilt = pytree.tree_unflatten(leaves, spec)
     assert [type(a) for a in rebuilt.layers] == [type(b) for b in cache.layers]
     assert rebuilt.get_seq_length() == 5
+
+
+class _Ops(TorchDispatchMode):
+    """The names of the aten ops run under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _layer_state(layer):
+    return {k: (v.dtype, v.shape, v.tolist()) if isinstance(v, torch.Tensor) else v
+            for k, v in vars(layer).items()}
+
+
+def test_a_plain_dynamic_cache_is_rebuilt_around_its_tensors_as_transformers_leaves_it():
+    from transformers.integrations.executorch import _unflatten_dynamic_cache
+
+    register_hf_caches()
+    cache = _dynamic_cache(cache_utils.DynamicLayer(), cache_utils.DynamicLayer())
+    leaves, spec = pytree.tree_flatten(cache)
+    fresh = [t.clone() for t in leaves]
+    with _Ops() as ops:
+        rebuilt = pytree.tree_unflatten(fresh, spec)
+    assert ops.names["cat"] == 0  # transformers' rebuild: a cat per layer's keys and values
+    keys, values = fresh[:2], fresh[2:]  # transformers' order: every key, then every value
+    theirs = _unflatten_dynamic_cache([keys, values], [list(spec.context.keys),
+                                                       list(spec.context.layout)])
+    assert type(rebuilt) is type(theirs) is transformers.DynamicCache
+    assert vars(rebuilt).keys() == vars(theirs).keys()
+    assert rebuilt.layer_class_to_replicate is theirs.layer_class_to_replicate is None
+    for layer, their_layer, k, v in zip(rebuilt.layers, theirs.layers, keys, values):
+        assert type(layer) is type(their_layer) is cache_utils.DynamicLayer
+        assert layer.keys is k and layer.values is v  # the graph's outputs, not copies
+        assert _layer_state(layer) == _layer_state(their_layer)
+    assert rebuilt.get_seq_length() == 5
+    rebuilt.update(torch.randn(2, 2, 1, 4), torch.randn(2, 2, 1, 4), layer_idx=0)
+    assert rebuilt.get_seq_length() == 6
+    assert torch.equal(rebuilt.layers[0].keys[:, :, :5], keys[0])  # a new tensor, as eager's
+    assert torch.equal(keys[0], leaves[0])
+
+
+@pytest.mark.parametrize("second", ["sliding_window", "empty"])
+def test_other_plain_dynamic_caches_are_rebuilt_by_transformers(second):
+    register_hf_caches()
+    if second == "sliding_window":
+        cache = _dynamic_cache(cache_utils.DynamicLayer(),
+                               cache_utils.DynamicSlidingWindowLayer(sliding_window=8))
+    else:  # a layer without states (a KV-sharing consumer's)
+        cache = _dynamic_cache(cache_utils.DynamicLayer())
+        cache.layers.append(cache_utils.DynamicLayer())
+    leaves, spec = pytree.tree_flatten(cache)
+    with _Ops() as ops:
+        rebuilt = pytree.tree_unflatten([t.clone() for t in leaves], spec)
+    assert ops.names["cat"] > 0  # transformers' DynamicCache(...): its updates
+    assert [type(a) for a in rebuilt.layers] == [type(b) for b in cache.layers]
+    assert [a.is_initialized for a in rebuilt.layers] == [b.is_initialized for b in cache.layers]
+
+
+def test_a_returned_cache_costs_no_copy_and_decodes_and_generates_like_eager():
+    """Prefill, then the cache fed back twice, and generate(): the same logits and caches
+    as the eager model (O0: no casts), and a decode step runs the ``cat``s the eager model
+    runs (its layers' updates, rotary embeddings) and no more."""
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL)).eval()
+    net = ampgraph.compile(model, amp_level="O0")
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        cache, ref_cache = net(input_ids=ids).past_key_values, model(input_ids=ids).past_key_values
+        for step in range(2):
+            nxt = torch.randint(0, VOCAB, (2, 1), generator=torch.Generator().manual_seed(step))
+            counts = []
+            for run, c in ((net, cache), (model, ref_cache)):
+                with _Ops() as ops:
+                    out = run(input_ids=nxt, past_key_values=c)
+                counts.append(ops.names["cat"])
+                assert out.past_key_values is c
+            if step:  # (the first captured the decode graph)
+                assert counts[0] == counts[1]
+            for mine, theirs in zip(cache.layers, ref_cache.layers):
+                assert type(mine) is cache_utils.DynamicLayer and mine.is_initialized
+                torch.testing.assert_close(mine.keys, theirs.keys, rtol=1e-5, atol=1e-6)
+                torch.testing.assert_close(mine.values, theirs.values, rtol=1e-5, atol=1e-6)
+    kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=4,
+                  do_sample=False, pad_token_id=0)
+    assert torch.equal(net.generate(**kwargs), model.generate(**kwargs))
 
 
 def test_static_and_model_specific_caches_round_trip():
