@@ -5,11 +5,9 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from passes.fx import run_amp_passes
 from passes.fx.dtypes import is_amp_cast
 from passes.fx.insert_casts import _rewire
-from passes.fx.policy import make_policy
-from tests.passes.fx.helpers import TwoConsumers, check_pass, export
+from tests.passes.fx.helpers import TwoConsumers, check_pass
 
 
 def test_one_cast_per_producer_shared_by_consumers():
@@ -59,6 +57,10 @@ class _KeyValue(torch.nn.Module):
 
 
 def test_low_outputs_stay_in_the_dtype_they_were_computed_in():
+    from passes.fx import run_amp_passes
+    from passes.fx.policy import make_policy
+    from tests.passes.fx.helpers import export
+
     x = torch.randn(2, 8)
     for low_outputs, dtypes in ((frozenset(), [torch.float32] * 2),
                                 (frozenset({1}), [torch.float32, torch.bfloat16])):
