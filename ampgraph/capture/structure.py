@@ -66,39 +66,6 @@ class Flattener:
         return ("P", treespec, [self.walk(c) for c in children])
 
 
-def leaves_under(spec: Any, types: tuple[type, ...]) -> frozenset[int]:
-    """Positions of the output tensors that sit inside an object of ``types`` (a pytree
-    node of :func:`flatten_output`'s spec), e.g. the keys and values of a returned cache.
-
-    Example:
-        >>> leaves_under(flatten_output((t, cache))[1], (DynamicCache,))  # doctest: +SKIP
-        frozenset({1, 2})
-    """
-    found: set[int] = set()
-
-    def visit(s: Any, inside: bool) -> None:
-        if not isinstance(s, tuple) or not s:
-            return
-        kind = s[0]
-        if kind == "T":
-            if inside:
-                found.add(s[1])
-        elif kind == "P":
-            node_type = s[1].type
-            inner = inside or (isinstance(node_type, type) and issubclass(node_type, types))
-            for child in s[2]:
-                visit(child, inner)
-        elif kind in ("M", "D", "d"):
-            for _, child in s[2]:
-                visit(child, inside)
-        elif kind in ("n", "l"):
-            for child in s[2]:
-                visit(child, inside)
-
-    visit(spec, False)
-    return frozenset(found)
-
-
 def unflatten_output(spec: Any, leaves: Any, inputs: list[Any] | tuple = ()) -> Any:
     """Inverse of :func:`flatten_output` (``inputs``: the call's :func:`custom_objects`)."""
     tag = spec[0]

@@ -48,7 +48,7 @@ def annotate(gm: fx.GraphModule, decisions: Mapping[str, Decision]) -> None:
 
 def insert_casts(
     gm: fx.GraphModule, low: torch.dtype, *, keep_io_types: bool = True, exact: bool = False,
-    recompile: bool = True, low_outputs: frozenset[int] = frozenset(),
+    recompile: bool = True,
 ) -> PassResult:
     """Insert the casts that make every node's inputs match ``node.meta["amp_precision"]``.
 
@@ -58,9 +58,6 @@ def insert_casts(
         keep_io_types: cast float outputs back to their original dtype.
         exact: learn every op's output dtype by running it on fake tensors.
         recompile: regenerate ``gm.forward`` (a pipeline recompiles once at its end).
-        low_outputs: positions in the output tuple that keep_io_types leaves in the dtype
-            they were computed in (a returned KV cache: its values are low-precision ones,
-            and the next call would cast them back).
 
     Example:
         >>> annotate(gm, paint(build_dataflow(gm), policy)); insert_casts(gm, torch.bfloat16)
@@ -88,7 +85,7 @@ def insert_casts(
         op = node.op
         if op != "call_function":
             if op == "output" and keep_io_types:
-                _cast_outputs(node, caster, low_outputs)
+                _cast_outputs(node, caster)
             continue
         meta = node.meta
         if meta.get("amp_cast"):
@@ -215,7 +212,7 @@ def _swap(value: Any, slot: Any, replace: Mapping) -> Any:
     return value
 
 
-def _cast_outputs(node: fx.Node, caster: Caster, low_outputs: frozenset[int]) -> None:
+def _cast_outputs(node: fx.Node, caster: Caster) -> None:
     def back(v: Any) -> Any:
         if isinstance(v, fx.Node):
             orig, cur = orig_dtype(v), dtype_of(v)
@@ -223,9 +220,4 @@ def _cast_outputs(node: fx.Node, caster: Caster, low_outputs: frozenset[int]) ->
                 return caster.get(v, orig)
         return v
 
-    outputs = node.args[0]
-    if low_outputs and isinstance(outputs, (tuple, list)):
-        kept = [v if i in low_outputs else tree_map(back, v) for i, v in enumerate(outputs)]
-        node.args = (type(outputs)(kept), *node.args[1:])
-        return
     node.args = tree_map(back, node.args)

@@ -82,7 +82,6 @@ def run_amp_passes(
     channels_last_inputs: bool = True,
     sink_gather_casts: bool = True,
     runtime: RuntimeOps = ATEN_ONLY,
-    low_outputs: frozenset[int] = frozenset(),
 ) -> FxAmpResult:
     """Rewrite ``gm`` in place for mixed precision and verify the result.
 
@@ -102,9 +101,6 @@ def run_amp_passes(
         runtime: what the device's runtime carries out its own way (``RuntimeOps``: the
             routed ops, and whether attention takes unrepeated grouped key/value heads);
             by default every op stays aten's.
-        low_outputs: positions of the output tuple that ``keep_io_types`` leaves low
-            (a returned KV cache's keys and values: low-precision values the next call
-            casts back; ``insert_casts``).
 
     The passes (:func:`amp_passes`) run through ``passes._infra.PassManager``: any failure
     raises ``PassError`` naming the pass and, when known, the node it was processing. The
@@ -119,7 +115,7 @@ def run_amp_passes(
         PassManager(amp_passes(
             policy, low, state, keep_io_types=keep_io_types, fuse_norm_casts=fuse_norm_casts,
             channels_last_inputs=channels_last_inputs, sink_gather_casts=sink_gather_casts,
-            runtime=runtime, low_outputs=low_outputs)).run(gm)
+            runtime=runtime)).run(gm)
     return FxAmpResult(gm, state.decisions, state.casts)
 
 
@@ -142,7 +138,6 @@ def amp_passes(
     channels_last_inputs: bool = True,
     sink_gather_casts: bool = True,
     runtime: RuntimeOps = ATEN_ONLY,
-    low_outputs: frozenset[int] = frozenset(),
 ) -> list[Callable[[fx.GraphModule], PassResult]]:
     """The passes :func:`run_amp_passes` runs, in order, each a named ``fn(gm) ->
     PassResult`` (the name a failure is reported under). The analyses write into
@@ -175,8 +170,7 @@ def amp_passes(
     passes += [
         named("paint", _paint, state, policy),
         named("annotate", _annotate, state),
-        named("insert_casts", insert_casts, low, keep_io_types=keep_io_types,
-              low_outputs=low_outputs, recompile=False),
+        named("insert_casts", insert_casts, low, keep_io_types=keep_io_types, recompile=False),
         named("fold_casts", fold_casts, recompile=False),
         named("fold_constant_casts", fold_constant_casts, recompile=False),
     ]

@@ -18,7 +18,6 @@ from ampgraph.capture.structure import (
     custom_objects,
     exportable_inputs,
     flatten_output,
-    leaves_under,
     restored_inputs,
     spec_uses_inputs,
     strip_tensors,
@@ -155,33 +154,6 @@ def test_registered_pytree_nodes_are_flattened_by_pytree():
         assert custom_objects((torch.ones(1), [1, (2,)], {"a": None})) == []
     finally:
         pytree._deregister_pytree_node(Node)
-
-
-def test_leaves_under_finds_the_tensors_inside_objects_of_given_types():
-    class Cache:
-        def __init__(self, k, v):
-            self.k, self.v = k, v
-
-    class Other(Cache):
-        pass
-
-    pytree.register_pytree_node(Cache, lambda n: ([n.k, n.v], None),
-                                lambda children, _: Cache(*children),
-                                serialized_type_name="test_structure.Cache")
-    pytree.register_pytree_node(Other, lambda n: ([n.k, n.v], None),
-                                lambda children, _: Other(*children),
-                                serialized_type_name="test_structure.Other")
-    try:
-        t = torch.ones(1)
-        out = {"logits": t, "cache": Cache(t, t), "more": [t, Other(t, t)]}
-        leaves, spec = flatten_output(out)
-        assert len(leaves) == 6
-        assert leaves_under(spec, (Cache,)) == {1, 2, 4, 5}  # subclasses too
-        assert leaves_under(spec, (Other,)) == {4, 5}
-        assert leaves_under(spec, ()) == frozenset()
-    finally:
-        pytree._deregister_pytree_node(Cache)
-        pytree._deregister_pytree_node(Other)
 
 
 def test_contents_changed_and_assign_contents():

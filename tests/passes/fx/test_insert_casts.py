@@ -43,28 +43,3 @@ def test_rewire_leaves_what_assigning_args_and_kwargs_leaves():
     for a, b in zip(g1.nodes, g2.nodes):
         assert [u.name for u in a.users] == [u.name for u in b.users]
         assert [i.name for i in a.all_input_nodes] == [i.name for i in b.all_input_nodes]
-
-
-class _KeyValue(torch.nn.Module):
-    """Logits and a "cache" tensor, both computed low."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc, self.k = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
-
-    def forward(self, x):
-        return self.fc(x), self.k(x)
-
-
-def test_low_outputs_stay_in_the_dtype_they_were_computed_in():
-    from passes.fx import run_amp_passes
-    from passes.fx.policy import make_policy
-    from tests.passes.fx.helpers import export
-
-    x = torch.randn(2, 8)
-    for low_outputs, dtypes in ((frozenset(), [torch.float32] * 2),
-                                (frozenset({1}), [torch.float32, torch.bfloat16])):
-        gm = export(_KeyValue(), (x,))
-        run_amp_passes(gm, make_policy("O2"), torch.bfloat16, low_outputs=low_outputs)
-        with torch.no_grad():
-            assert [t.dtype for t in gm(x)] == dtypes
