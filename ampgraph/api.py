@@ -24,6 +24,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     module_overrides: Mapping[str, str] | None = None,
     keep_io_types: bool = True,
     backend: str | None = None,
+    compile_options: Mapping[str, Any] | None = None,
     runtime: str | None = None,
 ) -> nn.Module:
     """Rewrite ``model``'s graph for mixed precision at ``amp_level``.
@@ -50,7 +51,15 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
             go of the last one there; ``clear_weight_cache()`` drops them).
         backend: None runs the rewritten graph eagerly (parameters cast once per forward,
             inference reuses low-precision working copies); "inductor" hands the rewritten
-            graph to ``torch.compile`` so casts fuse with their neighbours.
+            graph to ``torch.compile`` so casts fuse with their neighbours. Calls without
+            gradients then run a second compiled graph that takes the weights' kept
+            low-precision copies as inputs (made again only when a master changes) and
+            leaves casting the outputs back to the runtime (kept buffers for large ones).
+        compile_options: with a ``backend``, ``torch.compile``'s keyword arguments:
+            ``mode`` ("default", "reduce-overhead", "max-autotune",
+            "max-autotune-no-cudagraphs"; inductor only), ``options`` (inductor config,
+            instead of a mode), ``dynamic`` (True unless given: batch and sequence sizes
+            stay dynamic, as in the captured graph), ``fullgraph``.
         runtime: what the graphs call at run time: None picks the model's device's at its
             first call ("cpu": kept buffers, packed inference weights; "cuda": low-precision
             weights refreshed once per step by multi-tensor ops); naming one selects it on
@@ -62,11 +71,15 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     Raises:
         TypeError: ``model`` is not an nn.Module.
         ValueError: an unknown level or dtype, contradictory overrides, a model on the meta
-            device or with fp16/bf16 parameters.
+            device or with fp16/bf16 parameters, ``compile_options`` without a backend, with
+            an unknown key or mode, or with inductor's ``mode``/``options`` for another
+            backend.
 
     Example:
         >>> net = ampgraph.compile(model, amp_level="O2", dtype="bf16")
         >>> logits = net(x)
+        >>> fast = ampgraph.compile(model, "O2", "bf16", backend="inductor",
+        ...                         compile_options={"mode": "max-autotune"})
     """
     _check_module(model)
     config = AmpConfig.create(
@@ -78,6 +91,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         module_overrides={} if module_overrides is None else module_overrides,
         keep_io_types=keep_io_types,
         backend=backend,
+        compile_options=compile_options,
         runtime=runtime,
     )
     return compile_resolved(model, config.resolve(model_device(model)))

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ampgraph.runtime import RUNTIMES
+from ampgraph.runtime.compiled import parse_compile_options
 from passes.fx.policy import FX_TABLE, make_policy
 from passes.policy import FP32, LEVELS, LOW, LevelPolicy
 
@@ -147,6 +148,9 @@ class AmpConfig:
         module_overrides: module-path pattern -> "fp32" | "bf16" | "fp16" | "low".
         keep_io_types: cast outputs back to their original dtype.
         backend: None (the graph runs eagerly) or a ``torch.compile`` backend name.
+        compile_options: with a backend, ``torch.compile``'s keyword arguments
+            (``runtime/compiled.py``'s ``COMPILE_OPTIONS``: ``mode``, ``options``,
+            ``dynamic``, ``fullgraph``); ``dynamic`` is True unless given.
         runtime: the runtime the graphs call ("cpu", "cuda", "aten"); None: the one of
             the model's device (:meth:`resolve`).
 
@@ -163,6 +167,7 @@ class AmpConfig:
     module_overrides: Mapping[str, str] = field(default_factory=dict)
     keep_io_types: bool = True
     backend: str | None = None
+    compile_options: Mapping[str, Any] = field(default_factory=dict)
     runtime: str | None = None
 
     @classmethod
@@ -178,6 +183,8 @@ class AmpConfig:
         if self.backend is not None and not isinstance(self.backend, str):
             raise TypeError('backend must be None (eager) or a torch.compile backend name '
                             'such as "inductor"')
+        object.__setattr__(self, "compile_options",
+                           parse_compile_options(self.compile_options, self.backend))
         if self.runtime is not None and self.runtime not in RUNTIMES:
             raise ValueError(f"unknown runtime {self.runtime!r}: choose one of "
                              f"{', '.join(sorted(RUNTIMES))}, or None for the model's device's")
@@ -264,6 +271,7 @@ class AmpConfig:
         d["custom_allow"] = [_item_name(i) for i in self.custom_allow]
         d["custom_deny"] = [_item_name(i) for i in self.custom_deny]
         d["module_overrides"] = dict(self.module_overrides)
+        d["compile_options"] = dict(self.compile_options)
         return d
 
 
@@ -299,6 +307,11 @@ class ResolvedConfig:
     def backend(self) -> str | None:
         """None (the graph runs eagerly) or the ``torch.compile`` backend name."""
         return self.config.backend
+
+    @property
+    def compile_options(self) -> dict[str, Any]:
+        """``torch.compile``'s keyword arguments with the backend (validated)."""
+        return self.config.compile_options
 
     def policy(self) -> LevelPolicy:
         """The painter's policy at this level, dtype and overrides."""

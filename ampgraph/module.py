@@ -37,7 +37,7 @@ from ampgraph.capture.generate import route_method
 from ampgraph.capture.state import AUTOCAST_DEVICES
 from ampgraph.compiled_class import compiled_class
 from ampgraph.config import AmpConfig, ResolvedConfig, dtype_name, model_device
-from ampgraph.runtime import Runtime, make_runtime
+from ampgraph.runtime import Runtime, compiled_runner, make_runtime
 from ampgraph.signature import SignedForward, signed_forward
 from passes.fx import run_amp_passes
 from passes.policy import NA, LevelPolicy
@@ -67,7 +67,7 @@ class Compiled:
     captured: Captured
     decisions: dict
     casts: int
-    runner: Any = None  # what forward calls: the graph module, or torch.compile of it
+    runner: Any = None  # what forward calls: the graph's code, or its compiled_runner
 
     @property
     def gm(self) -> fx.GraphModule:
@@ -229,8 +229,7 @@ class AmpModule(nn.Module):
             for graphs in self._amp_graphs.values():
                 for compiled in graphs:
                     transform(compiled.captured.gm)
-                    if self.amp_config.backend is None:  # a new graph, maybe submodules
-                        compiled.runner = direct_runner(compiled.captured.gm)
+                    compiled.runner = self._runner(compiled.captured.gm)  # a new graph
 
     def drop_graphs(self) -> None:
         """Forget every captured graph, this module's and its compiled submodules' when it
@@ -320,11 +319,10 @@ class AmpModule(nn.Module):
                               f"captured for these input shapes ({_first_line(exc)}); calls "
                               "with them run eagerly in fp32", UserWarning, stacklevel=5)
             return None
-        backend = self.amp_config.backend
         try:
             result = run_amp_passes(captured.gm, self._amp_policy, self.amp_dtype,
                                     keep_io_types=self.amp_config.keep_io_types,
-                                    runtime=self._runtime_for(model).ops(backend))
+                                    runtime=self._runtime_for(model).ops(self.amp_config.backend))
         except Exception as exc:
             self._go_eager(f"ampgraph pass failed: {_first_line(exc)}")
             return None
@@ -335,11 +333,13 @@ class AmpModule(nn.Module):
                 "compiling it changes nothing", UserWarning, stacklevel=4)
         for transform in self._amp_transforms:
             transform(captured.gm)
-        if backend is None:
-            runner = direct_runner(captured.gm)
-        else:  # hand the rewritten aten graph to torch.compile
-            runner = torch.compile(captured.gm, backend=backend, dynamic=True)
-        return Compiled(captured, result.decisions, result.casts, runner)
+        return Compiled(captured, result.decisions, result.casts, self._runner(captured.gm))
+
+    def _runner(self, gm: fx.GraphModule) -> Any:
+        """What forward calls: the graph's code, or with a backend runtime/compiled.py's."""
+        cfg = self.amp_config
+        return direct_runner(gm) if cfg.backend is None else compiled_runner(
+            gm, cfg.backend, cfg.compile_options, self._runtime_for(self._amp_model))
 
     def _runtime_for(self, model: nn.Module) -> Runtime:
         """The runtime the resolved configuration names for the model's device now (made

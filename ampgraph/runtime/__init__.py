@@ -5,7 +5,9 @@
 - ``cpu/``: the CPU's (kept buffers, blocked products, packed inference weights,
   unfused attention, the faster dropout draw);
 - ``cuda/``: the GPU's (weights refreshed once per step by multi-tensor ops);
-- ``grad_scale.py``: per-layer loss scaling's gradient-scale op, on every device.
+- ``grad_scale.py``: per-layer loss scaling's gradient-scale op, on every device;
+- ``compiled.py``: a graph handed to ``torch.compile`` (``compile(..., backend=...)``), the
+  runtime doing its edges around the compiled code.
 
 ``AmpModule`` asks :func:`make_runtime` for the runtime its resolved configuration names.
 Adding a device is adding a folder and a line in :data:`RUNTIMES`. Imports nothing from
@@ -14,7 +16,8 @@ Adding a device is adding a folder and a line in :data:`RUNTIMES`. Imports nothi
 
 from __future__ import annotations
 
-from ampgraph.runtime.base import Runtime
+from ampgraph.runtime.base import CompiledEdges, Runtime
+from ampgraph.runtime.compiled import compiled_runner
 from ampgraph.runtime.cpu.runtime import CpuRuntime
 from ampgraph.runtime.cuda.runtime import CudaRuntime
 
@@ -36,4 +39,4 @@ def make_runtime(name: str) -> Runtime:
                          ) from None
 
 
-__all__ = ["RUNTIMES", "Runtime", "make_runtime"]
+__all__ = ["RUNTIMES", "CompiledEdges", "Runtime", "compiled_runner", "make_runtime"]

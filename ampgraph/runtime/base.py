@@ -6,15 +6,47 @@
 which device they run on: a runtime's choices live in its folder (``runtime/cpu/``,
 ``runtime/cuda/``), and adding a device is adding a folder and a line in
 ``ampgraph/runtime/__init__.py``.
+
+A graph handed to ``torch.compile`` (``compile(..., backend=...)``) calls none of the
+runtime's Python inside it; :meth:`Runtime.compiled_edges` says what the runtime does at
+its edges instead, outside the compiled code (``compiled.py``).
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
 from passes.fx.runtime_ops import RuntimeOps
+
+
+@dataclass(frozen=True)
+class CompiledEdges:
+    """What a runtime does outside a compiled graph's code (``compiled.py``); a
+    field left None stays inside the compiled graph.
+
+    Attributes:
+        weight_copy: ``(param, dtype, memory_format)`` -> the parameter's low-precision
+            copy, kept until the master changes, for calls without gradients (the graph
+            takes it as an input instead of casting every weight on every call).
+        output_cast: ``(x, dtype, slot)`` -> ``x.to(dtype)``, differentiable: the graph's
+            output ``slot`` cast back after the compiled code (into a kept buffer where a
+            fresh one would fault its pages in).
+        output_linear: ``(x, w, b, dtype, slot)`` -> ``linear(x, w, b).to(dtype)`` for an
+            output that is a linear's product cast back (a language model's logits), ``w``
+            and ``b`` already low, for calls without gradients (with ``weight_copy``).
+
+    Example:
+        >>> CompiledEdges().weight_copy is None
+        True
+    """
+
+    weight_copy: Callable[..., Any] | None = None
+    output_cast: Callable[..., Any] | None = None
+    output_linear: Callable[..., Any] | None = None
 
 
 class Runtime:
@@ -31,6 +63,11 @@ class Runtime:
         """The ops the passes route to this runtime; with a ``torch.compile`` backend only
         those the compiler can trace."""
         return RuntimeOps()
+
+    def compiled_edges(self) -> CompiledEdges:
+        """What this runtime does around a graph handed to ``torch.compile``; the base:
+        nothing (the compiled graph does it all)."""
+        return CompiledEdges()
 
     def working_copies(self) -> list[torch.Tensor]:
         """Low-precision copies of the weights kept between training steps."""

@@ -247,3 +247,12 @@ def test_mode_follows_the_users_model_as_well_as_the_compiled_module():
     torch.testing.assert_close(out, want, rtol=0.05, atol=0.05)
     net.train()
     assert model.training and model[1].training
+
+
+def test_compile_options_go_with_a_backend_and_are_checked_at_compile():
+    net = ampgraph.compile(Tiny(), "O2", "bf16", backend="inductor",
+                           compile_options={"mode": "max-autotune-no-cudagraphs"})
+    assert net.amp_config.compile_options == {"mode": "max-autotune-no-cudagraphs"}
+    assert net.amp_resolved.compile_options == net.amp_config.compile_options
+    with pytest.raises(ValueError, match=r"backend is None .* pass backend='inductor' too"):
+        ampgraph.compile(Tiny(), "O2", "bf16", compile_options={"mode": "max-autotune"})

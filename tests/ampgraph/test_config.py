@@ -211,6 +211,34 @@ def test_resolved_holds_level_dtype_backend_device_runtime_and_is_frozen():
     assert resolved.policy() == resolved.config.policy(torch.bfloat16)
 
 
+def test_compile_options_are_validated_kept_and_round_trip_through_to_dict():
+    config = AmpConfig.create(backend="inductor", compile_options={"mode": "max-autotune"})
+    assert config.compile_options == {"mode": "max-autotune"}
+    assert config.resolve(CPU).compile_options == {"mode": "max-autotune"}
+    assert AmpConfig.create().compile_options == {}  # the default: torch.compile's own
+    assert AmpConfig.create(backend="inductor", compile_options=None).compile_options == {}
+    doc = config.to_dict()
+    assert doc["compile_options"] == {"mode": "max-autotune"} and doc["backend"] == "inductor"
+    assert AmpConfig.create(**doc) == config
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.compile_options = {}
+
+
+@pytest.mark.parametrize(("kwargs", "error", "message"), [
+    (dict(compile_options={"mode": "max-autotune"}), ValueError,
+     r"but backend is None \(the graph runs eagerly\): pass backend='inductor'"),
+    (dict(backend="inductor", compile_options={"mode": "fastest"}), ValueError,
+     r"compile_options\['mode'\] = 'fastest': choose one of .*max-autotune"),
+    (dict(backend="inductor", compile_options={"fullgraph": True, "speed": 1}), ValueError,
+     r"unknown key\(s\) speed: choose from mode, options, dynamic, fullgraph"),
+    (dict(backend="inductor", compile_options=["max-autotune"]), TypeError,
+     r"compile_options must be a dict .* got list"),
+])
+def test_bad_compile_options_say_what_and_how_to_fix(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        AmpConfig.create(**kwargs)
+
+
 def test_contradictory_override_is_refused_by_the_resolved_policy():
     resolved = resolve(CPU, dtype="bf16", module_overrides={"head": "fp16"})
     with pytest.raises(ValueError, match=r"module_overrides\['head'\] = 'fp16' but the "

@@ -7,7 +7,10 @@
 - embeddings whose large tables' gradients go into kept buffers;
 - attention unfused where that is faster (``attention.py``), dropout's faster draw
   (``dropout.py``), large outputs cast back into kept buffers (``outputs.py``);
-- attention on unrepeated grouped key/value heads.
+- attention on unrepeated grouped key/value heads;
+- around a graph handed to ``torch.compile``, for calls without gradients: the weights'
+  kept inference copies as its inputs, its outputs cast back into kept buffers, and a
+  linear whose product is an output (the logits) made into one block by block.
 
 The measured trade-off behind each: docs/performance.md#runtime-choices.
 """
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ampgraph.runtime.base import Runtime
+from ampgraph.runtime.base import CompiledEdges, Runtime
 from ampgraph.runtime.cpu.activations import ACTIVATIONS
 from ampgraph.runtime.cpu.attention import amp_attention
 from ampgraph.runtime.cpu.dropout import amp_dropout
@@ -48,6 +51,10 @@ class CpuRuntime(Runtime):
             linear_activations=frozenset(ACTIVATIONS),
             embedding=self.weights.amp_embedding, attention=amp_attention,
             dropout=amp_dropout, output_cast=self.outputs.cast, unrepeated_kv_heads=True)
+
+    def compiled_edges(self) -> CompiledEdges:
+        return CompiledEdges(weight_copy=self.weights.cast, output_cast=self.outputs.cast,
+                             output_linear=self.outputs.linear)
 
     def working_copies(self) -> list[torch.Tensor]:
         return self.weights.train_copies()

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import ampgraph
-from ampgraph.runtime import RUNTIMES, Runtime, make_runtime
+from ampgraph.runtime import RUNTIMES, CompiledEdges, Runtime, make_runtime
 from passes.fx.runtime_ops import ATEN_ONLY
 
 
@@ -20,6 +20,8 @@ def test_the_base_runtime_routes_nothing_and_keeps_nothing():
         assert ops == ATEN_ONLY and not ops.routes_weights
     assert runtime.working_copies() == [] and runtime.nbytes() == 0
     runtime.clear()  # nothing to drop
+    edges = runtime.compiled_edges()  # a compiled graph does every edge itself
+    assert edges == CompiledEdges() and edges.weight_copy is edges.output_cast is None
 
 
 def test_make_runtime_builds_a_new_runtime_of_each_registered_kind():

@@ -104,3 +104,42 @@ def test_buffers_stay_bounded_when_shapes_change(monkeypatch):
     assert len(buffers._kept[0]) == outputs.KEPT_PER_OUTPUT
     assert buffers.nbytes() == (10 + 11) * 8 * 4  # the last two shapes
     del out
+
+
+def test_a_large_output_linear_goes_into_kept_buffers_with_the_graphs_values(monkeypatch):
+    """OutputBuffers.linear (the logits of a graph handed to torch.compile): the linear's
+    product rounded to bf16 once, then cast, as linear(...).to(fp32) gives; the product
+    and the output in buffers kept per slot, reused once the caller lets go."""
+    monkeypatch.setattr(outputs, "OUTPUT_BYTES", 64)
+    torch.manual_seed(0)
+    buffers = OutputBuffers()
+    x, w, b = torch.randn(2, 3, 8).to(BF16), torch.randn(16, 8).to(BF16), torch.randn(16).to(BF16)
+    with torch.no_grad():
+        held = []
+        for bias in (None, b):
+            out = buffers.linear(x, w, bias, torch.float32, "logits")
+            expected = nn.functional.linear(x, w, bias).float()
+            assert out.shape == (2, 3, 16) and out.dtype == torch.float32
+            torch.testing.assert_close(out, expected, rtol=0, atol=0)
+            held.append(out)
+        ptrs = {t.data_ptr() for t in held}
+        assert len(ptrs) == 2  # the first was held: the second buffer
+        del out, held
+        again = buffers.linear(x, w, b, torch.float32, "logits")
+        assert again.data_ptr() in ptrs  # released: a kept buffer again
+    kept = 2 * 3 * 16
+    assert buffers.nbytes() == 2 * kept * 4 + kept * 2  # two outputs, one bf16 product
+
+
+def test_a_small_strided_or_differentiated_output_linear_is_a_fresh_linear(monkeypatch):
+    buffers = OutputBuffers()
+    x, w = torch.randn(4, 8).to(BF16), torch.randn(16, 8).to(BF16)
+    small = buffers.linear(x, w, None, torch.float32, 0)  # below OUTPUT_BYTES
+    torch.testing.assert_close(small, nn.functional.linear(x, w).float(), rtol=0, atol=0)
+    monkeypatch.setattr(outputs, "OUTPUT_BYTES", 64)
+    strided = buffers.linear(x.t().contiguous().t(), w, None, torch.float32, 0)
+    torch.testing.assert_close(strided, small, rtol=0, atol=0)
+    w.requires_grad_()
+    trained = buffers.linear(x, w, None, torch.float32, 0)
+    assert trained.requires_grad
+    assert buffers.nbytes() == 0

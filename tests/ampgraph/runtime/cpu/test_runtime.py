@@ -28,6 +28,14 @@ def test_a_compile_backend_gets_only_the_traceable_attention():
     assert not ops.routes_weights and ops.dropout is None and ops.output_cast is None
 
 
+def test_around_a_compiled_graph_the_cpu_runtime_does_the_weights_and_the_outputs():
+    runtime = CpuRuntime()
+    edges = runtime.compiled_edges()
+    assert edges.weight_copy == runtime.weights.cast
+    assert edges.output_cast == runtime.outputs.cast
+    assert edges.output_linear == runtime.outputs.linear
+
+
 def test_nbytes_and_clear_cover_the_weights_and_the_outputs():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8)).eval()
