@@ -194,11 +194,7 @@ class AmpModule(nn.Module):
     def mark_weights_stale(self) -> None:
         """Make the next call write every kept low-precision copy again from its master,
         in place where nothing else holds it (a CUDA graph captured then records the
-        refresh, so every replay makes it); the copies themselves are kept.
-
-        Example:
-            >>> net.mark_weights_stale()  # doctest: +SKIP
-        """
+        refresh, so every replay makes it); the copies themselves are kept."""
         if self._amp_runtime is not None:
             self._amp_runtime.invalidate()
         if self._amp_eager is not None:
