@@ -155,3 +155,25 @@ def is_view(node: fx.Node) -> bool:
     return (node.op == "call_function" and isinstance(node.target, OpOverload)
             and bool(node.args) and isinstance(node.args[0], fx.Node)
             and any(r.alias_info is not None for r in op_schema(node.target).returns))
+
+
+SDPA_MASK_SLOT = 3  # scaled_dot_product_attention's attn_mask, after query, key and value
+
+
+def sdpa_mask(node: fx.Node) -> fx.Node | None:
+    """The ``attn_mask`` node of a ``scaled_dot_product_attention`` call, positional or
+    keyword; None where it has no mask node."""
+    if len(node.args) > SDPA_MASK_SLOT:
+        mask = node.args[SDPA_MASK_SLOT]
+    else:
+        mask = node.kwargs.get("attn_mask")
+    return mask if isinstance(mask, fx.Node) else None
+
+
+def set_sdpa_mask(node: fx.Node, mask: fx.Node | None) -> None:
+    """Give a ``scaled_dot_product_attention`` call another ``attn_mask`` (or none), in
+    the slot its mask was passed in."""
+    if len(node.args) > SDPA_MASK_SLOT:
+        node.args = (*node.args[:SDPA_MASK_SLOT], mask, *node.args[SDPA_MASK_SLOT + 1:])
+    else:
+        node.kwargs = {**node.kwargs, "attn_mask": mask}

@@ -26,13 +26,12 @@ from torch import fx
 
 from passes._infra import PassResult, visiting
 from passes.fx.dtypes import dtype_of
-from passes.fx.nodes import tensors
+from passes.fx.nodes import sdpa_mask, set_sdpa_mask, tensors
 from passes.policy import FP32, LOW
 
 aten = torch.ops.aten
 
 SDPA = aten.scaled_dot_product_attention.default
-MASK_SLOT = 3  # attn_mask, after query, key, value
 
 
 def share_mask_conversions(gm: fx.GraphModule, recompile: bool = True) -> PassResult:
@@ -48,7 +47,7 @@ def share_mask_conversions(gm: fx.GraphModule, recompile: bool = True) -> PassRe
     converted: dict[tuple[fx.Node, torch.dtype], fx.Node] = {}
     modified = False
     for node in visiting(list(graph.find_nodes(op="call_function", target=SDPA))):
-        mask, slot = _mask(node)
+        mask = sdpa_mask(node)
         dtype = dtype_of(node.args[0])
         if mask is None or dtype_of(mask) != torch.bool or dtype not in (
                 torch.float32, torch.float16, torch.bfloat16) or _fake_mode(mask) is None:
@@ -57,22 +56,12 @@ def share_mask_conversions(gm: fx.GraphModule, recompile: bool = True) -> PassRe
         if additive is None:
             with graph.inserting_before(node):
                 additive = converted[(mask, dtype)] = _convert(gm, mask, dtype)
-        if slot == "attn_mask":
-            node.kwargs = {**node.kwargs, "attn_mask": additive}
-        else:
-            node.args = (*node.args[:MASK_SLOT], additive, *node.args[MASK_SLOT + 1:])
+        set_sdpa_mask(node, additive)
         modified = True
     if modified and recompile:
         gm.recompile()
     return PassResult(gm, modified)
 
-
-def _mask(node: fx.Node) -> tuple[fx.Node | None, int | str]:
-    if len(node.args) > MASK_SLOT:
-        mask = node.args[MASK_SLOT]
-        return (mask if isinstance(mask, fx.Node) else None), MASK_SLOT
-    mask = node.kwargs.get("attn_mask")
-    return (mask if isinstance(mask, fx.Node) else None), "attn_mask"
 
 
 def _fake_mode(mask: fx.Node) -> object | None:

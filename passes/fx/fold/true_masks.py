@@ -19,12 +19,11 @@ from torch import fx
 
 from passes._infra import PassResult, visiting
 from passes.fx._torch_internals import OpOverload
-from passes.fx.nodes import tensors
+from passes.fx.nodes import sdpa_mask, set_sdpa_mask, tensors
 
 aten = torch.ops.aten
 
 SDPA = aten.scaled_dot_product_attention.default
-MASK_SLOT = 3
 # ops that only broadcast, reshape or alias their first input: a mask made by them from an
 # all-True value is all True whatever their (possibly symbolic) sizes
 BROADCASTS = {aten.expand.default, aten.unsqueeze.default, aten.view.default,
@@ -45,29 +44,19 @@ def drop_true_masks(gm: fx.GraphModule, recompile: bool = True) -> PassResult:
     verdicts: dict[fx.Node, bool] = {}
     modified = False
     for node in visiting(list(gm.graph.find_nodes(op="call_function", target=SDPA))):
-        mask, slot = _mask(node)
+        mask = sdpa_mask(node)
         if mask is None:
             continue
         if mask not in verdicts:
             verdicts[mask] = _all_true(gm, mask)
         if not verdicts[mask]:
             continue
-        if slot == "attn_mask":
-            node.kwargs = {**node.kwargs, "attn_mask": None}
-        else:
-            node.args = (*node.args[:MASK_SLOT], None, *node.args[MASK_SLOT + 1:])
+        set_sdpa_mask(node, None)
         modified = True
     if modified and recompile:
         gm.recompile()
     return PassResult(gm, modified)
 
-
-def _mask(node: fx.Node) -> tuple[fx.Node | None, int | str]:
-    if len(node.args) > MASK_SLOT:
-        mask = node.args[MASK_SLOT]
-        return (mask if isinstance(mask, fx.Node) else None), MASK_SLOT
-    mask = node.kwargs.get("attn_mask")
-    return (mask if isinstance(mask, fx.Node) else None), "attn_mask"
 
 
 def _all_true(gm: fx.GraphModule, mask: fx.Node) -> bool:

@@ -20,6 +20,8 @@ from passes.fx.nodes import (
     module_info,
     node_inputs,
     op_key,
+    sdpa_mask,
+    set_sdpa_mask,
     target_info,
     tensors,
 )
@@ -98,3 +100,17 @@ def test_what_a_captured_node_tells():
     weight = next(n for n in gm.graph.nodes if n.op == "get_attr" and "weight" in n.target)
     assert fetch_attr(gm, weight.target) is gm.fc.weight
     assert node_inputs(nodes["linear"]) == list(nodes["linear"].all_input_nodes)
+
+
+def test_sdpa_mask_reads_and_set_sdpa_mask_replaces_the_mask_where_it_was_passed():
+    graph = fx.Graph()
+    q, k, v, m, other = (graph.placeholder(n) for n in "qkvmo")
+    sdpa = torch.ops.aten.scaled_dot_product_attention.default
+    positional = graph.call_function(sdpa, (q, k, v, m))
+    keyword = graph.call_function(sdpa, (q, k, v), {"attn_mask": m, "is_causal": False})
+    bare = graph.call_function(sdpa, (q, k, v))
+    assert sdpa_mask(positional) is m and sdpa_mask(keyword) is m and sdpa_mask(bare) is None
+    set_sdpa_mask(positional, other)
+    set_sdpa_mask(keyword, None)
+    assert positional.args[3] is other and keyword.kwargs == {"attn_mask": None,
+                                                               "is_causal": False}
