@@ -121,7 +121,7 @@ class AmpModule(nn.Module):
         self.amp_config = config.config
         self.amp_dtype = config.dtype
         self._amp_path = path
-        self._amp_policy = config.policy()
+        self._amp_policy = config.policy().under(path)
         self._amp_graphs = OrderedDict()
         self._amp_lock = threading.RLock()
         object.__setattr__(self, "_amp_eager", None)
@@ -363,7 +363,7 @@ class AmpModule(nn.Module):
     def _compile_child(self, child: nn.Module, path: str) -> AmpModule:
         """A child of the eager plan, compiled on its own with this module's policy."""
         sub = AmpModule(child, self.amp_resolved, path)
-        sub._amp_policy = self._amp_policy
+        sub._amp_policy = self._amp_policy.under(path)
         return sub
 
     # -- reporting ------------------------------------------------------------------------

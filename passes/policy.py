@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 ALLOW = "allow"
 INFER = "infer"
@@ -168,10 +168,13 @@ class Overrides:
         ops: op key -> class (ALLOW or DENY), from custom_allow/custom_deny op names.
         modules: (pattern or class name, precision LOW/FP32, origin) in the order given;
             the most specific match (longest path) wins.
+        prefix: the compiled module's path in the model its patterns name ("" at the root;
+            a child compiled on its own: the eager fallback's, a region's).
     """
 
     ops: Mapping[str, str] = field(default_factory=dict)
     modules: tuple[tuple[str, str, str], ...] = ()
+    prefix: str = ""
 
     def op_class(self, key: str) -> str | None:
         for candidate in key_candidates(key):
@@ -183,6 +186,7 @@ class Overrides:
         """Precision forced on a node by module path/class overrides, with the reason."""
         best: tuple[int, str, str] | None = None
         classes = tuple(classes)
+        path = ".".join(p for p in (self.prefix, path) if p)
         for pattern, precision, origin in self.modules:
             score = _module_match(pattern, path, classes)
             if score is not None and (best is None or score >= best[0]):
@@ -212,6 +216,15 @@ class LevelPolicy:
     keep_norm_fp32: bool
     table: OpTable
     overrides: Overrides = field(default_factory=Overrides)
+
+    def under(self, path: str) -> LevelPolicy:
+        """This policy for a module at ``path`` of the model its module patterns name.
+
+        Example:
+            >>> policy.under("model.layers.0").overrides.prefix
+            'model.layers.0'
+        """
+        return replace(self, overrides=replace(self.overrides, prefix=path))
 
     def op_info(self, key: str) -> OpInfo:
         """Class and reason for an op key, with user overrides and the norm switch applied."""

@@ -61,6 +61,13 @@ def test_module_rules_most_specific_wins():
     assert q.overrides.module_precision("x", ("torch.nn.modules.normalization.LayerNorm",))
 
 
+def test_module_rules_of_a_module_compiled_on_its_own_name_the_whole_model():
+    p = make_policy("O2", module_rules=[("encoder.layer.1", FP32, "m")]).under("encoder")
+    assert p.overrides.module_precision("layer.1.fc", ())[0] == FP32  # encoder.layer.1.fc
+    assert p.overrides.module_precision("layer.0.fc", ()) is None
+    assert p.under("encoder.layer.1").overrides.module_precision("fc", ())[0] == FP32
+
+
 def test_a_policy_takes_the_dialect_table_it_is_given():
     table = OpTable([OpGroup("mine", DENY, "because", frozenset({"Foo"}))])
     p = make_dialect_policy("O2", table=table)
