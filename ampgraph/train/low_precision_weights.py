@@ -26,8 +26,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampgraph.train.network import amp_of
+
 __all__ = ["MASTER_WEIGHTS", "LowPrecisionUpdate", "ModifiedMomentumSGD", "NORM_TYPES",
-           "check_supported", "convert_weights", "state_bytes", "stochastic_round_bf16"]
+           "check_supported", "convert_weights", "state_bytes", "stochastic_round_bf16",
+           "weight_update"]
 
 MASTER_WEIGHTS = ("fp32", "kahan", "stochastic", "none")
 NORM_TYPES: tuple[type, ...] = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm,
@@ -270,3 +273,30 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer,
     out["per_param"] = out["total"] / max(1, sum(p.numel() for p in params))
     return out
 
+
+def weight_update(mode: Any, module: nn.Module, optimizer: torch.optim.Optimizer
+                  ) -> LowPrecisionUpdate | None:
+    """``build_train_step``'s ``master_weights=mode``: convert the compiled module's
+    parameters to 16 bits in place and return their update rule (None for "fp32").
+
+    Raises:
+        ValueError: an unknown mode, a level or dtype without 16-bit weights, an optimizer
+            the rules do not cover.
+    """
+    if mode not in MASTER_WEIGHTS:
+        raise ValueError(f"master_weights must be one of {MASTER_WEIGHTS}, got {mode!r}")
+    if mode == "fp32":
+        return None
+    amp = amp_of(module)
+    low, level = amp.amp_dtype, amp.amp_config.amp_level
+    if level == "O0" or low not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"master_weights={mode!r} stores weights in the low dtype: compile "
+                         f"at O1-O3 with dtype bf16 or fp16, not {level}")
+    if mode == "stochastic" and low != torch.bfloat16:
+        raise ValueError("master_weights='stochastic' rounds into bf16: use dtype='bf16' "
+                         "(or master_weights='kahan' for fp16)")
+    check_supported(optimizer)
+    convert_weights(module.original_module, low)
+    module.drop_graphs()  # graphs captured with fp32 parameters are stale
+    update = LowPrecisionUpdate(mode)
+    return update

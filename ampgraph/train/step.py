@@ -37,12 +37,7 @@ from ampgraph.train.graphs import (
     resolve_capture,
 )
 from ampgraph.train.loss_scale import LossScaleManager, resolve_manager
-from ampgraph.train.low_precision_weights import (
-    MASTER_WEIGHTS,
-    LowPrecisionUpdate,
-    check_supported,
-    convert_weights,
-)
+from ampgraph.train.low_precision_weights import LowPrecisionUpdate, weight_update
 from ampgraph.train.network import (
     DEFAULT_DTYPE,
     DEFAULT_LEVEL,
@@ -175,18 +170,28 @@ class TrainStep:
         Example:
             >>> torch.save(train_step.state_dict(), "ckpt.pt")  # doctest: +SKIP
         """
+        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                **self.progress_state_dict()}
+
+    def progress_state_dict(self) -> dict[str, Any]:
+        """The loss-scale manager's state and the step counters: :meth:`state_dict` less the
+        model and the optimizer (which a sharded checkpoint saves through
+        ``torch.distributed.checkpoint``: :func:`ampgraph.parallel.save_checkpoint`).
+
+        Example:
+            >>> sorted(train_step.progress_state_dict())  # doctest: +SKIP
+            ['loss_scale', 'step']
+        """
         if self._counters.micro:
             warnings.warn(
                 f"TrainStep.state_dict() called after micro-batch {self._counters.micro} of "
                 f"{self.accumulation_steps}: gradients accumulated so far are not saved; "
                 f"checkpoint when out.stepped is True",
                 RuntimeWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
         manager = self.loss_scale_manager
         return {
-            "model": self.module.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
             "loss_scale": None if manager is None else manager.state_dict(),
             "step": {"step_index": self._counters.step_index, "micro": self._counters.micro},
         }
@@ -200,7 +205,34 @@ class TrainStep:
         missing = [k for k in ("model", "optimizer", "loss_scale", "step") if k not in state_dict]
         if missing:
             raise ValueError(f"TrainStep.load_state_dict: missing keys {missing}")
-        manager, saved = self.loss_scale_manager, state_dict["loss_scale"]
+        self._check_loss_scale_state(state_dict["loss_scale"])
+        self.module.load_state_dict(state_dict["model"])
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        self.load_progress_state_dict(state_dict)
+
+    def load_progress_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore :meth:`progress_state_dict`: the manager and the counters; gradients and
+        the overflow flag of this process are cleared and the CUDA graphs captured again
+        (the model and optimizer state are the caller's to restore first).
+
+        Example:
+            >>> train_step.load_progress_state_dict(saved)  # doctest: +SKIP
+        """
+        missing = [k for k in ("loss_scale", "step") if k not in state_dict]
+        if missing:
+            raise ValueError(f"TrainStep.load_state_dict: missing keys {missing}")
+        self._check_loss_scale_state(state_dict["loss_scale"])
+        if self.loss_scale_manager is not None:
+            self.loss_scale_manager.load_state_dict(state_dict["loss_scale"])
+        self._counters.step_index = int(state_dict["step"]["step_index"])
+        self._counters.micro = int(state_dict["step"]["micro"])
+        for p in self._params:  # no gradient or flag of this process leaks into the resumed run
+            p.grad = None
+        self._found_inf.zero_()
+        self.reset_graphs()  # the graphs wrote the old gradients and optimizer state
+
+    def _check_loss_scale_state(self, saved: Any) -> None:
+        manager = self.loss_scale_manager
         if (manager is None) != (saved is None):
             have = "no loss-scale manager" if manager is None else type(manager).__name__
             raise ValueError(
@@ -208,16 +240,6 @@ class TrainStep:
                 f"{'has no' if saved is None else 'has'} loss-scale state but this step has "
                 f"{have}: build the step with the same loss_scale_manager as the saved run"
             )
-        self.module.load_state_dict(state_dict["model"])
-        self.optimizer.load_state_dict(state_dict["optimizer"])
-        if manager is not None:
-            manager.load_state_dict(saved)
-        self._counters.step_index = int(state_dict["step"]["step_index"])
-        self._counters.micro = int(state_dict["step"]["micro"])
-        for p in self._params:  # no gradient or flag of this process leaks into the resumed run
-            p.grad = None
-        self._found_inf.zero_()
-        self.reset_graphs()  # the graphs wrote the old gradients and optimizer state
 
     def __repr__(self) -> str:
         return f"TrainStep({self.spec.title})"
@@ -315,7 +337,7 @@ def build_train_step(
     if manager is not None:
         manager.to(device)
         manager.instrument(module)
-    update = _weight_update(master_weights, module, optimizer)
+    update = weight_update(master_weights, module, optimizer)
     distributed, group = distributed_group(network)
     decision = _decision(optimizer, manager, update is not None)
     if sharded and decision == FOUND_INF:  # DTensor gradients: decide on the host
@@ -344,28 +366,6 @@ def build_train_step(
         spec=spec, clip_grad_norm=clip_grad_norm, monitor=monitor, group=group, params=params,
         update=update, graph_capture=resolve_capture(cuda_graph, spec, optimizer, device),
     )
-
-
-def _weight_update(mode: Any, module: nn.Module, optimizer: torch.optim.Optimizer
-                   ) -> LowPrecisionUpdate | None:
-    """Convert the parameters to 16 bits in place and return their update rule (or None)."""
-    if mode not in MASTER_WEIGHTS:
-        raise ValueError(f"master_weights must be one of {MASTER_WEIGHTS}, got {mode!r}")
-    if mode == "fp32":
-        return None
-    amp = amp_of(module)
-    low, level = amp.amp_dtype, amp.amp_config.amp_level
-    if level == "O0" or low not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"master_weights={mode!r} stores weights in the low dtype: compile "
-                         f"at O1-O3 with dtype bf16 or fp16, not {level}")
-    if mode == "stochastic" and low != torch.bfloat16:
-        raise ValueError("master_weights='stochastic' rounds into bf16: use dtype='bf16' "
-                         "(or master_weights='kahan' for fp16)")
-    check_supported(optimizer)
-    convert_weights(module.original_module, low)
-    module.drop_graphs()  # graphs captured with fp32 parameters are stale
-    update = LowPrecisionUpdate(mode)
-    return update
 
 
 def _decision(optimizer: torch.optim.Optimizer, manager: LossScaleManager | None,
