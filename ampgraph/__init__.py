@@ -29,6 +29,8 @@ __version__ = "0.1.0"
 _LAZY = {name: "ampgraph.onnx" for name in (
     "OnnxModelError", "ValidationReport", "convert_onnx", "export_onnx", "onnx_session",
     "validate_onnx")}
+_LAZY.update(dict.fromkeys(("shard", "save_checkpoint", "load_checkpoint",
+                            "compress_ddp_gradients"), "ampgraph.parallel"))
 _LAZY["NumericsMonitor"] = "ampgraph.monitor"
 _LAZY["NumericsWarning"] = "ampgraph.monitor"
 
@@ -59,9 +61,13 @@ __all__ = [
     "ValidationReport",
     "build_train_step",
     "compile",
+    "compress_ddp_gradients",
     "convert_onnx",
     "explain",
     "export_onnx",
+    "load_checkpoint",
     "onnx_session",
+    "save_checkpoint",
+    "shard",
     "validate_onnx",
 ]

@@ -97,10 +97,12 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     return compile_resolved(model, config.resolve(model_device(model)))
 
 
-def compile_resolved(model: nn.Module, config: ResolvedConfig) -> nn.Module:
+def compile_resolved(model: nn.Module, config: ResolvedConfig, path: str = "") -> nn.Module:
     """:func:`compile` with a configuration already resolved, for callers that resolve once
     for several modules or for another device than the model's (the Lightning plugin
-    resolves on the Trainer's device and compiles each child with the result).
+    resolves on the Trainer's device and compiles each child with the result). ``path``:
+    where ``model`` sits in the model being compiled region by region, for
+    ``module_overrides``' patterns.
 
     Raises:
         TypeError, ValueError: as :func:`compile`.
@@ -122,7 +124,7 @@ def compile_resolved(model: nn.Module, config: ResolvedConfig) -> nn.Module:
         )
     config.policy()  # raise on contradictory overrides now, not at the first call
     _check_parameters(model)
-    return AmpModule(model, config)
+    return AmpModule(model, config, path)
 
 
 def _check_module(model: Any) -> None:

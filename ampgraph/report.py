@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampgraph.capture.fallback import EagerPart
+from ampgraph.capture.fallback import EagerPart, compiled_children
 from ampgraph.config import dtype_name
 from ampgraph.module import AmpModule
 from ampgraph.node_rows import node_rows
@@ -92,28 +92,33 @@ def explain(module: nn.Module, *example_args: Any, **example_kwargs: Any) -> Pre
     """Report, for a compiled module, the precision of every graph node and why.
 
     Args:
-        module: a module returned by :func:`ampgraph.compile`.
+        module: a module returned by :func:`ampgraph.compile`, or a model compiled region
+            by region (holding such modules, as :func:`ampgraph.shard` leaves it): its
+            modules that run uncompiled are listed in ``eager``, with why.
         *example_args, **example_kwargs: inputs to capture with; optional once the module
             has run (the last graph used is reported).
 
     Raises:
-        TypeError: ``module`` was not returned by ``ampgraph.compile``.
+        TypeError: ``module`` neither was returned by ``ampgraph.compile`` nor holds a
+            module that was.
         ValueError: no example inputs and the module has not run yet.
 
     Example:
         >>> net = ampgraph.compile(model, amp_level="O2")
         >>> print(ampgraph.explain(net, torch.randn(8, 64)))
     """
-    if not isinstance(module, AmpModule):
+    regions = [] if isinstance(module, AmpModule) else compiled_children(module, AmpModule)
+    if not isinstance(module, AmpModule) and not regions:
         raise TypeError(
             f"explain expects a module returned by ampgraph.compile, got "
             f"{type(module).__name__}; call ampgraph.compile(model) first"
         )
     if example_args or example_kwargs:
-        if module.compiled_for(tuple(example_args), dict(example_kwargs)) is None:
+        if regions or module.compiled_for(tuple(example_args), dict(example_kwargs)) is None:
             _run_keeping_buffers(module, example_args, example_kwargs)  # eager parts capture
-    graphs, eager = module.amp_parts()
-    if not graphs and not eager:
+    first = regions[0] if regions else module
+    graphs, eager = _regional_parts(module) if regions else module.amp_parts()
+    if not graphs and (regions or not eager):
         raise ValueError(
             "this module has not run yet: pass example inputs, "
             "e.g. ampgraph.explain(net, torch.randn(2, 3, 32, 32))"
@@ -121,7 +126,35 @@ def explain(module: nn.Module, *example_args: Any, **example_kwargs: Any) -> Pre
     nodes: list[dict[str, str]] = []
     casts = 0
     for prefix, compiled in graphs:
-        nodes += node_rows(prefix, compiled, module.amp_dtype)
+        nodes += node_rows(prefix, compiled, first.amp_dtype)
         casts += compiled.casts
-    cfg = module.amp_config
-    return PrecisionReport(cfg.amp_level, dtype_name(module.amp_dtype), nodes, casts, eager)
+    cfg = first.amp_config
+    return PrecisionReport(cfg.amp_level, dtype_name(first.amp_dtype), nodes, casts, eager)
+
+
+UNCOMPILED = "not compiled: runs eagerly in fp32"
+GLUE = "the code between compiled modules (regional compilation): no parameters of its own"
+
+
+def _regional_parts(model: nn.Module) -> tuple[list, list[EagerPart]]:
+    """A model compiled region by region: its compiled modules' graphs, and its modules
+    that run uncompiled (each with a forward of its own, outside every compiled module)."""
+    graphs: list = []
+    eager: list[EagerPart] = []
+
+    def visit(module: nn.Module, path: str) -> None:
+        if isinstance(module, AmpModule):
+            g, e = module.amp_parts()
+            graphs.extend(g)
+            eager.extend(e)
+            return
+        if type(module).forward is not nn.Module.forward:  # not a ModuleList / ModuleDict
+            own = any(True for _ in module.parameters(recurse=False)) or any(
+                True for _ in module.buffers(recurse=False))
+            eager.append(EagerPart(path or "<root>", type(module).__name__,
+                                   UNCOMPILED if own else GLUE))
+        for name, child in module.named_children():
+            visit(child, f"{path}.{name}" if path else name)
+
+    visit(model, "")
+    return graphs, eager

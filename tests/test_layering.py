@@ -28,12 +28,13 @@ MAY_IMPORT: dict[str, set[str]] = {
     "monitor": set(),
     "onnx": {CORE},
     "train": {CORE, "runtime", "monitor"},
-    "cli": {CORE, "runtime", "monitor", "onnx", "train", ROOT_PACKAGE},
-    "integrations": {CORE, "runtime", "monitor", "onnx", "train", ROOT_PACKAGE},
+    "parallel": {CORE, "runtime", "train"},
+    "cli": {CORE, "runtime", "monitor", "onnx", "train", "parallel", ROOT_PACKAGE},
+    "integrations": {CORE, "runtime", "monitor", "onnx", "train", "parallel", ROOT_PACKAGE},
     # entry points: the package's own __init__/__main__ and the demo script
-    "entry": {CORE, "runtime", "monitor", "onnx", "train", "cli", ROOT_PACKAGE},
+    "entry": {CORE, "runtime", "monitor", "onnx", "train", "parallel", "cli", ROOT_PACKAGE},
 }
-SUBPACKAGES = {"runtime", "monitor", "onnx", "train", "cli", "integrations"}
+SUBPACKAGES = {"runtime", "monitor", "onnx", "train", "parallel", "cli", "integrations"}
 CORE_PACKAGES = {"capture"}  # folders of the compile path itself
 
 
