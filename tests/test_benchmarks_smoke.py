@@ -191,3 +191,16 @@ def test_code_ab_compares_two_checkouts_step_by_step(tmp_path):
     for r in models.values():
         assert set(r["ms"]) == {"before train", "before infer", "current train", "current infer"}
         assert all(v > 0 for v in r["before/current"].values())
+
+
+@pytest.mark.slow
+def test_distributed_harness_smoke(tmp_path):
+    out = tmp_path / "dist.json"
+    proc = run("benchmarks/distributed.py", "--setups", "fsdp-bf16,ampgraph", "--hidden", "64",
+               "--layers", "1", "--vocab", "128", "--seq", "16", "--steps", "1",
+               "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {(r["setup"], r["rank"]): r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {(s, r) for s in ("fsdp-bf16", "ampgraph") for r in (0, 1)}
+    assert rows["ampgraph", 0]["all_gather"] == rows["fsdp-bf16", 0]["all_gather"]
+    assert list(rows["ampgraph", 0]["all_gather"]) == ["bfloat16"]
