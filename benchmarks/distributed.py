@@ -55,8 +55,9 @@ def make_model(args):
 
 
 def prepare(setup: str, model, mesh):
-    import ampgraph
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    import ampgraph
 
     if setup.startswith("ampgraph"):
         gather = "fp32" if setup.endswith("fp32-gather") else "low"

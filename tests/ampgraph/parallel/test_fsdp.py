@@ -178,3 +178,44 @@ def test_shard_moves_bf16_and_matches_one_process(tmp_path, one_thread, world):
         assert want[-1] < want[0] - 0.5  # it learns
     overflowed = [o for _, o, _ in r0["fp16"]]
     assert overflowed[POISON_STEP] and sum(overflowed) == 1  # rank 1's inf skipped everyone
+
+
+def test_lightning_model_parallel_strategy_takes_the_same_path(one_thread):
+    """Lightning's FSDP2 strategy: ``ampgraph.shard`` in ``configure_model`` on its mesh."""
+    pl = pytest.importorskip("lightning.pytorch")
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    import ampgraph
+    from ampgraph.report import GLUE
+
+    class Lit(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model, self.losses = make_model(), []
+
+        def configure_model(self):
+            ampgraph.shard(self.model, self.device_mesh["data_parallel"], "O2", "bf16")
+
+        def training_step(self, b, i):
+            loss = lm_loss(self.model(b[0]), b[1])
+            self.losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+
+    lit = Lit()
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=ModelParallelStrategy(),
+                         max_steps=8, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(lit, torch.utils.data.DataLoader([batch(i, 4) for i in range(8)],
+                                                         batch_size=None))
+    finally:
+        if dist.is_initialized():  # the strategy's process group of one, left up by Lightning
+            dist.destroy_process_group()
+    assert type(lit.model.layers[0]).__name__ == "FSDPBlock"  # compiled, then sharded
+    assert [e.reason for e in ampgraph.explain(lit.model).eager] == [GLUE]
+    assert lit.losses[-1] < lit.losses[0] - 0.5
