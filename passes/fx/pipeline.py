@@ -12,6 +12,7 @@ import torch
 from torch import fx
 
 from passes._infra import PassManager, PassResult, named
+from passes.fx.checkpoints import outline_checkpoints
 from passes.fx.dataflow import build_dataflow
 from passes.fx.fold.cast_count import count_casts
 from passes.fx.fold.casts import fold_casts
@@ -211,6 +212,8 @@ def amp_passes(
         passes.append(named("route_dropouts", route_dropouts, rt.dropout, low))
     if rt.output_cast is not None and keep_io_types:
         passes.append(named("route_output_casts", route_output_casts, rt.output_cast))
+    # last: a region is recomputed with the casts and runtime ops its forward runs
+    passes.append(named("outline_checkpoints", outline_checkpoints))
     passes.append(named("recompile", _recompile))
     return passes
 

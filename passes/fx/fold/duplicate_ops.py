@@ -6,6 +6,7 @@ from torch import fx
 
 from passes._infra import PassResult, visiting
 from passes.fx._torch_internals import OpOverload, op_schema
+from passes.fx.checkpoints import region_of
 from passes.fx.dtypes import is_amp_cast
 from passes.fx.nodes import is_view
 
@@ -23,7 +24,10 @@ def merge_duplicate_ops(gm: fx.GraphModule, by_module: bool = False,
     - values the graph returns, or views of them: the caller may write into one output
       in place (per-layer zero states), and must not find another changed (nor, on a
       second run, the values under the output casts the first inserted);
-    - with ``by_module`` (module precision overrides), ops of different modules.
+    - with ``by_module`` (module precision overrides), ops of different modules;
+    - ops of different checkpointed regions (``passes/fx/checkpoints.py``), or of one and
+      none: a value shared across regions would tie them together, one region's value
+      kept alive for the others instead of recomputed.
 
     Arguments compare with their types (``x * 2`` is not ``x * 2.0``; ``-0.0`` is not
     ``0.0``).
@@ -42,7 +46,7 @@ def merge_duplicate_ops(gm: fx.GraphModule, by_module: bool = False,
     for node in visiting(ops):
         if node.is_impure() or node in returned:
             continue
-        where = _module_path(node) if by_module else None
+        where = (_module_path(node) if by_module else None, _region_id(node))
         try:
             key = (node.target, _frozen(node.args), _frozen(node.kwargs), where)
             same = first.setdefault(key, node)
@@ -55,6 +59,11 @@ def merge_duplicate_ops(gm: fx.GraphModule, by_module: bool = False,
     if modified and recompile:
         gm.recompile()
     return PassResult(gm, modified)
+
+
+def _region_id(node: fx.Node) -> int | None:
+    region = region_of(node)
+    return None if region is None else region[0]
 
 
 def _returned(graph: fx.Graph) -> set[fx.Node]:

@@ -63,7 +63,7 @@ EXPECTED_PASSES = [
     "group_kv_heads",
     "drop_dead_ops", "contiguous_linear_inputs", "verify",
     "count_casts", "route_weight_casts", "route_linears", "route_embeddings",
-    "route_attention", "recompile",
+    "route_attention", "outline_checkpoints", "recompile",
 ]
 
 
@@ -84,7 +84,7 @@ def test_the_pipeline_is_a_list_of_named_passes():
         "annotate",
         "insert_casts", "fold_casts", "fold_constant_casts", "drop_dead_ops",
         "contiguous_linear_inputs", "verify",
-        "count_casts", "recompile"]
+        "count_casts", "outline_checkpoints", "recompile"]
 
 
 def failing_route(gm, fn, low):

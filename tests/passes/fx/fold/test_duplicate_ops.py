@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import torch
+import torch.fx.traceback as fx_traceback
 from torch import nn
 
+from passes.fx.checkpoints import REGION_KEY
 from passes.fx.fold.duplicate_ops import merge_duplicate_ops
 from tests.passes.fx.helpers import export
 
@@ -120,3 +122,22 @@ def test_returned_values_under_output_casts_stay_apart_so_a_second_run_changes_n
     assert sum("aten.mul" in t for _, t, _ in before) == 2
     run_amp_passes(gm, make_policy("O2"), torch.float16)
     assert [(n.op, str(n.target), n.meta.get("amp_dtype")) for n in gm.graph.nodes] == before
+
+
+class TwoRegions(nn.Module):
+    """The same op on the same value in two checkpointed regions and outside them."""
+
+    def forward(self, x):
+        outs = [x.sin()]
+        for rid in (0, 1):
+            with fx_traceback.annotate({REGION_KEY: (rid, {})}):
+                outs.append(x.sin() * (rid + 2))
+        return sum(outs)
+
+
+def test_ops_of_different_checkpointed_regions_are_not_merged():
+    x = torch.randn(4)
+    with fx_traceback.preserve_node_meta():
+        gm = torch.export.export(TwoRegions(), (x,), strict=False).module()
+    assert merge_duplicate_ops(gm).modified is False
+    assert sum(1 for n in gm.graph.nodes if n.target is torch.ops.aten.sin.default) == 3
