@@ -22,6 +22,7 @@ from ampgraph.train import (
     TrainStep,
     build_train_step,
 )
+from passes.fx.checkpoints import CheckpointWarning
 
 __version__ = "0.1.0"
 
@@ -48,6 +49,7 @@ __all__ = [
     "AdaptiveLossScaleManager",
     "AmpConfig",
     "AmpModule",
+    "CheckpointWarning",
     "DynamicLossScaleManager",
     "FixedLossScaleManager",
     "GraphCapture",

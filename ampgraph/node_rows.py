@@ -13,6 +13,7 @@ from torch import fx
 
 from ampgraph.config import dtype_name
 from ampgraph.module import Compiled
+from passes.fx.checkpoints import UNHONOURED_KEY
 from passes.fx.dtypes import dtype_of
 from passes.fx.nodes import module_info, op_key
 from passes.policy import FP32, LOW, NA
@@ -28,7 +29,8 @@ def node_rows(prefix: str, compiled: Compiled, low: torch.dtype) -> list[dict[st
     """
     rows = []
     for node in _with_absorbed(compiled.gm.graph.nodes):
-        if node.op in ("output", "call_module") or node.meta.get("amp_cast"):
+        if node.op in ("output", "call_module") or node.meta.get("amp_cast") \
+                or node.meta.get("amp_region_output"):
             continue
         decision = compiled.decisions.get(node.name)
         path, _ = module_info(node)
@@ -49,6 +51,11 @@ def node_rows(prefix: str, compiled: Compiled, low: torch.dtype) -> list[dict[st
         op = node.meta.get("amp_orig_op") or op_key(node)  # a fused op shows what it runs
         rows.append({"name": node.name, "op": op if node.op == "call_function" else node.op,
                      "module": module, "precision": precision, "reason": reason})
+    for entry in compiled.gm.meta.get(UNHONOURED_KEY, ()):  # said loudly, in a row too
+        rows.append({"name": f"checkpoint_region_{entry['region']}", "op": "checkpoint",
+                     "module": ".".join(p for p in (prefix, entry["module"]) if p),
+                     "precision": NA, "reason": "activation checkpoint NOT honoured "
+                     f"({entry['nodes']} nodes kept inline): {entry['reason']}"})
     return rows
 
 

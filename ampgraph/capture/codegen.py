@@ -40,6 +40,8 @@ from torch import fx
 from torch.fx.graph_module import _forward_from_src
 from torch.fx.node import _get_qualified_name
 
+from passes.fx.checkpoints import CheckpointedRegion
+
 # torch's generated bindings, by namespace: torch.*, torch.nn.functional's C half,
 # torch.special, torch.linalg, torch.fft
 _FUNCTIONS = (torch._C._VariableFunctions, torch._C._nn, torch._C._special,
@@ -141,7 +143,11 @@ def direct_runner(gm: fx.GraphModule) -> Callable[..., Any]:
     generated bindings (see the module docstring); ``gm`` itself where it has hooks to run
     (``nn.Module.__call__``) or nothing to rewrite. Either way the code's parameter reads
     are made plain attribute reads first (:func:`shortcut_attribute_paths`). Make it again
-    after changing the graph or its submodules."""
+    after changing the graph or its submodules. The graphs of its checkpointed regions
+    (``passes/fx/checkpoints.py``) get theirs too."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, CheckpointedRegion):
+            node.target.forward = direct_runner(node.target.gm)
     shortcut_attribute_paths(gm)
     if (gm._forward_pre_hooks or gm._forward_hooks or gm._forward_pre_hooks_with_kwargs
             or gm._forward_hooks_always_called):

@@ -8,6 +8,7 @@ from torch import nn
 
 import ampgraph
 from ampgraph.node_rows import node_rows
+from passes.fx.checkpoints import UNHONOURED_KEY
 
 KEYS = {"name", "op", "module", "precision", "reason"}
 
@@ -70,3 +71,16 @@ def test_an_activation_the_linear_applies_keeps_its_row():
     assert gelu["precision"] == "bf16" and gelu["module"] == "1"
     names = [r["name"] for r in rows]
     assert names.index(gelu["name"]) == names.index("linear") + 1  # right after its linear
+
+
+def test_a_checkpointed_region_left_inline_has_a_row_saying_so():
+    compiled = compiled_graph("bf16")
+    compiled.gm.meta[UNHONOURED_KEY] = [{"region": 3, "module": "blocks.0", "nodes": 7,
+                                         "reason": "x feeds it"}]
+    try:
+        row = node_rows("net", compiled, torch.bfloat16)[-1]
+    finally:
+        del compiled.gm.meta[UNHONOURED_KEY]
+    assert row["name"] == "checkpoint_region_3" and row["op"] == "checkpoint"
+    assert row["module"] == "net.blocks.0"
+    assert "NOT honoured (7 nodes kept inline): x feeds it" in row["reason"]

@@ -5,7 +5,8 @@ from __future__ import annotations
 import ampgraph
 
 EXPECTED = {
-    "AdaptiveLossScaleManager", "AmpConfig", "AmpModule", "DynamicLossScaleManager",
+    "AdaptiveLossScaleManager", "AmpConfig", "AmpModule", "CheckpointWarning",
+    "DynamicLossScaleManager",
     "FixedLossScaleManager", "GraphCapture",
     "LossScaleManager", "NumericsMonitor", "NumericsWarning", "OnnxModelError",
     "PrecisionReport", "StepOutput", "TrainStep", "ValidationReport", "build_train_step",
