@@ -30,13 +30,15 @@ from __future__ import annotations
 import contextlib
 import itertools
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 import torch.fx.traceback as fx_traceback
 import torch.utils.checkpoint as torch_checkpoint
 
-from passes.fx.checkpoints import REGION_KEY
+from passes.fx.checkpoints import REGION_KEY, CheckpointWarning
 
 _COMPOSABLE = "torch.distributed._composable.checkpoint_activation"
 _GENERATOR = "_checkpoint_without_reentrant_generator"
@@ -86,9 +88,17 @@ class _RegionMarker:
             yield
             return
         self._depth += 1
+        rid = next(self._ids)
+        if torch._C._autograd._top_saved_tensors_default_hooks(True) is not None:
+            warnings.warn(
+                f"ampgraph: checkpointed region {rid} is called inside saved-tensor hooks "
+                "(torch.autograd.graph.save_on_cpu, transformers' activation checkpointing "
+                "with offload=True): the compiled graph recomputes the region but does not "
+                "run those hooks; call the model inside them instead", CheckpointWarning,
+                stacklevel=2)
         try:
             with fx_traceback.preserve_node_meta(), \
-                    fx_traceback.annotate({REGION_KEY: (next(self._ids), options)}):
+                    fx_traceback.annotate({REGION_KEY: (rid, options)}):
                 yield
         finally:
             self._depth -= 1

@@ -98,6 +98,21 @@ def test_a_checkpoint_inside_a_region_is_part_of_it():
     assert sorted(regions_of(with_form("nested"), torch.randn(2, 5, 32))) == [0, 1, 2]
 
 
+class Offloaded(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = Block()
+
+    def forward(self, x):
+        with torch.autograd.graph.save_on_cpu():  # transformers' offload=True
+            return checkpoint(self.block, x, use_reentrant=False)
+
+
+def test_saved_tensor_hooks_around_a_checkpoint_are_reported():
+    with pytest.warns(ampgraph.CheckpointWarning, match="save_on_cpu"):
+        assert sorted(regions_of(Offloaded(), torch.randn(2, 5, 32))) == [0]
+
+
 def test_without_the_context_export_marks_nothing_and_the_names_come_back():
     names = (torch_checkpoint._checkpoint_without_reentrant_generator,
              torch_checkpoint.CheckpointFunction)
