@@ -204,3 +204,14 @@ def test_distributed_harness_smoke(tmp_path):
     assert set(rows) == {(s, r) for s in ("fsdp-bf16", "ampgraph") for r in (0, 1)}
     assert rows["ampgraph", 0]["all_gather"] == rows["fsdp-bf16", 0]["all_gather"]
     assert list(rows["ampgraph", 0]["all_gather"]) == ["bfloat16"]
+
+
+@pytest.mark.slow
+def test_saved_activations_smoke():
+    pytest.importorskip("transformers")
+    proc = run("benchmarks/saved_activations.py", "--smoke")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
+    assert [r.split(" | ")[0] for r in rows[1:]] == ["| eager fp32", "| eager bf16",
+                                                   "| ampgraph O2"]
+    assert "O2 with checkpointing / eager bf16 with checkpointing" in proc.stdout
