@@ -8,7 +8,8 @@ value-keeping clean-ups), the ``fusions`` family (value-preserving rewrites),
 ``capabilities`` (device probes), ``layouts``, ``hazards`` and ``index_values`` (range
 analyses), ``runtime_ops`` (what the runtime does its own way), ``weight_groups`` and the
 ``routing`` family (ops handed to the runtime), ``grad_scale``, ``no_grad_regions``,
-``verify`` and ``pipeline``; ``_torch_internals`` holds every private torch API they use.
+``checkpoints`` (checkpointed regions outlined), ``verify`` and ``pipeline``;
+``_torch_internals`` holds every private torch API they use.
 """
 
 from __future__ import annotations

@@ -118,9 +118,9 @@ def outline_checkpoints(gm: fx.GraphModule) -> PassResult:
 
 
 def _regions(graph: fx.Graph) -> dict[int, tuple[set[fx.Node], dict[str, Any]]]:
-    """Each region's nodes: the annotated ones, then (to a fixed point) the casts the passes
-    inserted whose users all belong to one region (see :func:`_joins`).
-    Nothing is added for reading a region's values: the ops after the last checkpointed
+    """Each region's nodes: the annotated ones, then (to a fixed point) the unmarked nodes
+    that may join one (:func:`_joins`) and whose users all belong to it. Nothing is added
+    for reading a region's values: the ops after the last checkpointed
     block (a final norm, a language model's head) read only its output and parameters, and
     are not to be recomputed."""
     owner: dict[fx.Node, int] = {}
