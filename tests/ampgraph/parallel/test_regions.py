@@ -70,3 +70,20 @@ def test_module_paths_reach_overrides_and_explain_names_modules_left_fp32(one_th
                        "layers.1.fc2": "fp32", "head": "bf16"}
     eager = {e.path: e.reason for e in report.eager}
     assert eager == {"<root>": GLUE, "norm": UNCOMPILED}
+
+
+def test_blocks_checkpointed_before_compiling_stay_checkpointed(one_thread):
+    """torchtitan's order: activation checkpointing per block, then compile and shard."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    x, y = batch(0, 4)
+    plain, wrapped = make_model(), make_model()
+    for i, block in enumerate(wrapped.layers):
+        wrapped.layers[i] = checkpoint_wrapper(block)
+    for model in (plain, wrapped):
+        compile_regions(model, _config(), find_blocks(model))
+        lm_loss(model(x), y).backward()
+    for p, q in zip(plain.parameters(), wrapped.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    rows = [r for r in ampgraph.explain(wrapped).nodes if r["op"] == "checkpoint"]
+    assert len(rows) == 2  # one recomputed region per block
