@@ -20,11 +20,11 @@ def run(*args: str) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_perf_harness_smoke_mode_writes_every_mode(tmp_path):
     out = tmp_path / "perf.json"
-    proc = run("benchmarks/perf.py", "--smoke", "--models", "mlp,bert", "--levels", "O2",
-               "--json", str(out))
+    proc = run("benchmarks/perf.py", "--smoke", "--models", "mlp", "--levels", "O2",
+               "--json", str(out))  # one model: each mode's memory probe is a process
     assert proc.returncode == 0, proc.stderr[-2000:]
     data = json.loads(out.read_text())
-    for model in ("mlp", "bert"):
+    for model in ("mlp",):
         entry = data["models"][model]
         assert set(entry["train"]) == {"fp32", "autocast", "O2", "floor"}
         assert all(v["median_ms"] > 0 for v in entry["infer"].values())
@@ -57,11 +57,11 @@ def test_capture_time_reports_each_model_captured_whole(tmp_path):
 @pytest.mark.slow
 def test_real_models_harness_smoke_mode(tmp_path):
     out = tmp_path / "real.json"
-    proc = run("benchmarks/real_models.py", "--smoke", "--models", "bert,vit", "--modes",
+    proc = run("benchmarks/real_models.py", "--smoke", "--models", "bert", "--modes",
                "fp32,autocast,O2", "--no-memory", "--json", str(out))
     assert proc.returncode == 0, proc.stderr[-2000:]
     data = json.loads(out.read_text())
-    assert set(data["models"]) == {"bert", "vit"}
+    assert set(data["models"]) == {"bert"}
     for entry in data["models"].values():
         assert set(entry["train"]) == set(entry["infer"]) == {"fp32", "autocast", "O2"}
         assert all(v["median_ms"] > 0 for v in entry["train"].values())
@@ -197,13 +197,13 @@ def test_code_ab_compares_two_checkouts_step_by_step(tmp_path):
 def test_distributed_harness_smoke(tmp_path):
     out = tmp_path / "dist.json"
     proc = run("benchmarks/distributed.py", "--setups", "fsdp-bf16,ampgraph", "--hidden", "64",
-               "--layers", "1", "--vocab", "128", "--seq", "16", "--steps", "1",
+               "--layers", "1", "--vocab", "128", "--seq", "16", "--steps", "1", "--world", "1",
                "--json", str(out))
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = {(r["setup"], r["rank"]): r for r in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {(s, r) for s in ("fsdp-bf16", "ampgraph") for r in (0, 1)}
-    assert rows["ampgraph", 0]["all_gather"] == rows["fsdp-bf16", 0]["all_gather"]
-    assert list(rows["ampgraph", 0]["all_gather"]) == ["bfloat16"]
+    assert set(rows) == {("fsdp-bf16", 0), ("ampgraph", 0)}  # one rank: nothing to gather
+    assert all(r["step_ms"] > 0 and r["peak_mib"] > 0 and len(r["losses"]) == 2
+               for r in rows.values())  # (the bytes on 2 and 4 ranks: tests/ampgraph/parallel)
 
 
 @pytest.mark.slow

@@ -24,6 +24,7 @@ from tests.distributed import spawn
 ROWS = 2  # per rank
 STEPS = 20
 POISON_STEP = 3  # rank 1's loss is inf at this fp16 step
+RUNTIMES = ("cpu", "cuda")  # both on 2 ranks, the first on 4
 
 
 class LowCopies(TorchDispatchMode):
@@ -101,9 +102,10 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(plain, mesh=mesh, mp_policy=policy)
     result["fsdp_bf16"] = one_step(plain).counts
-    result["amp_fp32_gather"] = one_step(shard(make_model(), mesh, "O2", "bf16",
-                                               gather="fp32")).counts
-    for runtime in ("cpu", "cuda"):
+    if world == 2:  # what does not depend on the world size: once
+        result["amp_fp32_gather"] = one_step(shard(make_model(), mesh, "O2", "bf16",
+                                                   gather="fp32")).counts
+    for runtime in RUNTIMES[:1 if world > 2 else 2]:
         model = shard(make_model(), mesh, "O2", "bf16", runtime=runtime)
         one_step(model)  # capture
         with LowCopies(numel=32 * 32) as copies:
@@ -155,7 +157,7 @@ def test_shard_moves_bf16_and_matches_one_process(tmp_path, one_thread, world):
 
     fsdp = total(r0["fsdp_bf16"], "all_gather")
     assert fsdp == total(r0["fsdp_bf16"], "all_gather", torch.bfloat16) > 0
-    for runtime in ("cpu", "cuda"):
+    for runtime in RUNTIMES[:1 if world > 2 else 2]:
         amp = r0[f"amp_{runtime}"]
         assert abs(total(amp, "all_gather") / fsdp - 1) < 0.01, (runtime, amp)
         assert total(amp, "all_gather", torch.bfloat16) == total(amp, "all_gather")
@@ -163,8 +165,9 @@ def test_shard_moves_bf16_and_matches_one_process(tmp_path, one_thread, world):
         assert reduced == total(amp, "reduce_scatter", torch.float32) > 0
         assert reduced == total(r0["fsdp_bf16"], "reduce_scatter")
         assert all(r[f"copies_{runtime}"] == 0 for r in ranks), runtime
-    fp32_gather = total(r0["amp_fp32_gather"], "all_gather", torch.float32)
-    assert fp32_gather == 2 * fsdp  # gather="fp32": twice the bytes
+    if world == 2:
+        fp32_gather = total(r0["amp_fp32_gather"], "all_gather", torch.float32)
+        assert fp32_gather == 2 * fsdp  # gather="fp32": twice the bytes
     assert r0["eager"] == [("<root>", True)]  # only the root's own code runs uncompiled
 
     for dtype, tol in (("bf16", 2e-2), ("fp16", 5e-3)):
