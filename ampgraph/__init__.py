@@ -23,6 +23,7 @@ from ampgraph.train import (
     build_train_step,
 )
 from passes.fx.checkpoints import CheckpointWarning
+from passes.fx.fp8_recipe import FP8Recipe
 
 __version__ = "0.1.0"
 
@@ -51,6 +52,7 @@ __all__ = [
     "AmpModule",
     "CheckpointWarning",
     "DynamicLossScaleManager",
+    "FP8Recipe",
     "FixedLossScaleManager",
     "GraphCapture",
     "LossScaleManager",

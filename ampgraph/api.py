@@ -11,6 +11,7 @@ from torch import nn
 
 from ampgraph.config import AmpConfig, ResolvedConfig, model_device
 from ampgraph.module import AmpModule
+from passes.fx.fp8_recipe import FP8Recipe
 
 
 def compile(  # noqa: A001 - the public name mirrors torch.compile
@@ -26,6 +27,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     backend: str | None = None,
     compile_options: Mapping[str, Any] | None = None,
     runtime: str | None = None,
+    fp8: bool | FP8Recipe | None = None,
 ) -> nn.Module:
     """Rewrite ``model``'s graph for mixed precision at ``amp_level``.
 
@@ -64,6 +66,12 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
             first call ("cpu": kept buffers, packed inference weights; "cuda": low-precision
             weights refreshed once per step by multi-tensor ops); naming one selects it on
             any device ("aten": every op aten's own).
+        fp8: the matrix products that pay run in FP8 (e4m3 forward, e5m2 gradients,
+            dynamic power-of-two scales; the rest of the level as it is): True for the
+            default :class:`~ampgraph.FP8Recipe` (torchao's shape rule, the first and last
+            products 16-bit), or a recipe. ``explain`` says for each product why it does or
+            does not run FP8. On the CPU the FP8 products are emulated exactly (the
+            operands rounded to FP8, the product in bf16): for numerics, not speed.
 
     Returns:
         An :class:`~ampgraph.AmpModule` sharing ``model``'s parameters.
@@ -93,6 +101,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         backend=backend,
         compile_options=compile_options,
         runtime=runtime,
+        fp8=fp8,
     )
     return compile_resolved(model, config.resolve(model_device(model)))
 

@@ -14,6 +14,7 @@ from torch import nn
 
 from ampgraph.runtime import RUNTIMES
 from ampgraph.runtime.compiled import parse_compile_options
+from passes.fx.fp8_recipe import FP8Recipe, resolve_fp8
 from passes.fx.policy import FX_TABLE, make_policy
 from passes.policy import FP32, LEVELS, LOW, LevelPolicy
 
@@ -153,6 +154,8 @@ class AmpConfig:
             ``dynamic``, ``fullgraph``); ``dynamic`` is True unless given.
         runtime: the runtime the graphs call ("cpu", "cuda", "aten"); None: the one of
             the model's device (:meth:`resolve`).
+        fp8: None, or the :class:`~passes.fx.fp8_recipe.FP8Recipe` of the products that
+            run in FP8 (``True`` at :meth:`create`: the default recipe).
 
     Example:
         >>> AmpConfig.create(amp_level="O2").amp_level
@@ -169,6 +172,7 @@ class AmpConfig:
     backend: str | None = None
     compile_options: Mapping[str, Any] = field(default_factory=dict)
     runtime: str | None = None
+    fp8: FP8Recipe | None = None
 
     @classmethod
     def create(cls, **kwargs: Any) -> AmpConfig:
@@ -188,6 +192,10 @@ class AmpConfig:
         if self.runtime is not None and self.runtime not in RUNTIMES:
             raise ValueError(f"unknown runtime {self.runtime!r}: choose one of "
                              f"{', '.join(sorted(RUNTIMES))}, or None for the model's device's")
+        object.__setattr__(self, "fp8", resolve_fp8(self.fp8))
+        if self.fp8 is not None and parse_level(self.amp_level) == "O0":
+            raise ValueError("fp8 runs products below the level's 16-bit dtype: use it at "
+                             "O1-O3, not O0")
         if self.keep_batchnorm_fp32 not in (None, True, False):
             raise TypeError("keep_batchnorm_fp32 must be None, True or False")
         for name in ("custom_allow", "custom_deny"):

@@ -318,7 +318,8 @@ class AmpModule(nn.Module):
         try:
             result = run_amp_passes(captured.gm, self._amp_policy, self.amp_dtype,
                                     keep_io_types=self.amp_config.keep_io_types,
-                                    runtime=self._runtime_for(model).ops(self.amp_config.backend))
+                                    runtime=self._runtime_for(model).ops(self.amp_config.backend),
+                                    fp8=self.amp_config.fp8)
         except Exception as exc:
             self._go_eager(f"ampgraph pass failed: {_first_line(exc)}")
             return None

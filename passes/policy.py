@@ -188,13 +188,21 @@ class Overrides:
         classes = tuple(classes)
         path = ".".join(p for p in (self.prefix, path) if p)
         for pattern, precision, origin in self.modules:
-            score = _module_match(pattern, path, classes)
+            score = module_match(pattern, path, classes)
             if score is not None and (best is None or score >= best[0]):
                 best = (score, precision, f"{origin} {pattern!r}")
         return None if best is None else (best[1], best[2])
 
 
-def _module_match(pattern: str, path: str, classes: tuple[str, ...]) -> int | None:
+def module_match(pattern: str, path: str, classes: tuple[str, ...]) -> int | None:
+    """How specifically ``pattern`` (a module-path pattern, or ``"class:Name"``) matches a
+    node of module ``path`` inside modules of ``classes``: the matched path's depth (0 for
+    a class), or None.
+
+    Example:
+        >>> module_match("encoder.*", "encoder.layer.0", ())
+        2
+    """
     if pattern.startswith("class:"):
         name = pattern[len("class:"):]
         return 0 if any(c == name or c.rsplit(".", 1)[-1] == name for c in classes) else None

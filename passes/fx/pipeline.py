@@ -23,6 +23,7 @@ from passes.fx.fold.identities import skip_identity_ops
 from passes.fx.fold.mask_conversions import share_mask_conversions
 from passes.fx.fold.true_masks import drop_true_masks
 from passes.fx.fold.whole_slices import skip_whole_slices
+from passes.fx.fp8_recipe import FP8Recipe
 from passes.fx.fusions import channels_last, gather_casts, norm_casts
 from passes.fx.fusions.kv_heads import group_kv_heads, stack_kv_queries
 from passes.fx.fusions.tanh_gelu import fuse_tanh_gelu
@@ -34,6 +35,7 @@ from passes.fx.prepare import prepare
 from passes.fx.routing.attention import route_attention
 from passes.fx.routing.dropouts import route_dropouts
 from passes.fx.routing.embeddings import route_embeddings
+from passes.fx.routing.fp8_products import route_fp8_products
 from passes.fx.routing.linears import route_linears
 from passes.fx.routing.output_casts import route_output_casts
 from passes.fx.routing.weight_casts import route_weight_casts
@@ -83,6 +85,7 @@ def run_amp_passes(
     channels_last_inputs: bool = True,
     sink_gather_casts: bool = True,
     runtime: RuntimeOps = ATEN_ONLY,
+    fp8: FP8Recipe | None = None,
 ) -> FxAmpResult:
     """Rewrite ``gm`` in place for mixed precision and verify the result.
 
@@ -102,6 +105,8 @@ def run_amp_passes(
         runtime: what the device's runtime carries out its own way (``RuntimeOps``: the
             routed ops, and whether attention takes unrepeated grouped key/value heads);
             by default every op stays aten's.
+        fp8: the recipe of the products that run in FP8 (``routing.route_fp8_products``,
+            with ``runtime.fp8_linear``); None: none do.
 
     The passes (:func:`amp_passes`) run through ``passes._infra.PassManager``: any failure
     raises ``PassError`` naming the pass and, when known, the node it was processing. The
@@ -116,7 +121,7 @@ def run_amp_passes(
         PassManager(amp_passes(
             policy, low, state, keep_io_types=keep_io_types, fuse_norm_casts=fuse_norm_casts,
             channels_last_inputs=channels_last_inputs, sink_gather_casts=sink_gather_casts,
-            runtime=runtime)).run(gm)
+            runtime=runtime, fp8=fp8)).run(gm)
     return FxAmpResult(gm, state.decisions, state.casts)
 
 
@@ -139,6 +144,7 @@ def amp_passes(
     channels_last_inputs: bool = True,
     sink_gather_casts: bool = True,
     runtime: RuntimeOps = ATEN_ONLY,
+    fp8: FP8Recipe | None = None,
 ) -> list[Callable[[fx.GraphModule], PassResult]]:
     """The passes :func:`run_amp_passes` runs, in order, each a named ``fn(gm) ->
     PassResult`` (the name a failure is reported under). The analyses write into
@@ -195,6 +201,11 @@ def amp_passes(
         named("count_casts", _count_casts, state),
     ]
     rt = runtime
+    if fp8 is not None and policy.level != "O0" and low in (torch.float16, torch.bfloat16):
+        if rt.fp8_linear is None:
+            raise ValueError("fp8: this runtime has no FP8 product (RuntimeOps.fp8_linear)")
+        passes.append(named("route_fp8_products", route_fp8_products, rt.fp8_linear, low, fp8,
+                            policy.overrides.prefix))
     if rt.weight_group is not None:
         passes.append(named("group_weight_casts", group_weight_casts, rt.weight_group,
                             rt.group_numel, recompile=False))

@@ -22,7 +22,9 @@ what it does differently:
 - ``stacked_kv_heads``: attention takes grouped key/value heads unrepeated, the query heads
   of each stacked as its rows (``fusions.stack_kv_queries``: equal head counts, for kernels
   that take ``enable_gqa`` with a mask on a slow path only); exclusive with
-  ``unrepeated_kv_heads``.
+  ``unrepeated_kv_heads``;
+- ``fp8_linear(x, w, b, transposed=, scaling=, weight_grad=)``: the FP8 product of the
+  products an FP8 recipe chooses (``routing.route_fp8_products``), from the fp32 master.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class RuntimeOps:
     output_cast: Callable[..., Any] | None = None
     unrepeated_kv_heads: bool = False
     stacked_kv_heads: bool = False
+    fp8_linear: Callable[..., Any] | None = None
 
     def __post_init__(self) -> None:
         if self.weight_cast is not None and self.weight_group is not None:

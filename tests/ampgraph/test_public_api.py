@@ -11,7 +11,7 @@ EXPECTED = {
     "LossScaleManager", "NumericsMonitor", "NumericsWarning", "OnnxModelError",
     "PrecisionReport", "StepOutput", "TrainStep", "ValidationReport", "build_train_step",
     "compile", "convert_onnx", "explain", "export_onnx", "onnx_session", "validate_onnx",
-    "shard", "save_checkpoint", "load_checkpoint", "compress_ddp_gradients",
+    "shard", "save_checkpoint", "load_checkpoint", "compress_ddp_gradients", "FP8Recipe",
 }
 
 

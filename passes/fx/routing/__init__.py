@@ -13,6 +13,8 @@ One pass per module:
   which picks the kernel for the shapes it meets.
 - ``dropouts``: :func:`route_dropouts`, dropout calls the runtime's, which draws its mask
   faster.
+- ``fp8_products``: :func:`route_fp8_products`, the matrix products an FP8 recipe chooses
+  call the runtime's FP8 product (the rest keep the level's 16-bit dtype).
 - ``output_casts``: :func:`route_output_casts`, the casts of the outputs back to their dtype
   call the runtime's, which may write into a buffer it keeps.
 
@@ -30,9 +32,10 @@ from __future__ import annotations
 from passes.fx.routing.attention import route_attention
 from passes.fx.routing.dropouts import route_dropouts
 from passes.fx.routing.embeddings import route_embeddings
+from passes.fx.routing.fp8_products import route_fp8_products
 from passes.fx.routing.linears import route_linears
 from passes.fx.routing.output_casts import route_output_casts
 from passes.fx.routing.weight_casts import route_weight_casts
 
-__all__ = ["route_attention", "route_dropouts", "route_embeddings", "route_linears",
-           "route_output_casts", "route_weight_casts"]
+__all__ = ["route_attention", "route_dropouts", "route_embeddings", "route_fp8_products",
+           "route_linears", "route_output_casts", "route_weight_casts"]

@@ -1,0 +1,124 @@
+"""route_fp8_products: which products of HF LLaMA, GPT-2 and BERT at realistic widths run
+in FP8 (captured on the meta device: shapes only, no weights), and why the others do not."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+from ampgraph.capture.export import export_module
+from ampgraph.config import AmpConfig
+from passes.fx import run_amp_passes
+from passes.fx.fp8_recipe import FP8Recipe
+from passes.fx.nodes import module_info
+from passes.fx.runtime_ops import RuntimeOps
+
+tf = pytest.importorskip("transformers")
+
+
+def fp8_stub(x, w, b=None, *, transposed=False, scaling="tensorwise", weight_grad="fp8"):
+    return torch.nn.functional.linear(x, (w.t() if transposed else w).to(x.dtype), b)
+
+
+_CAPTURED: dict[int, torch.fx.GraphModule] = {}
+
+
+def products(model, recipe: FP8Recipe | None = None, **policy) -> dict[str, str]:
+    """module path -> "fp8" or the reason a product stays 16-bit, for every eligible
+    product of ``model`` (on the meta device) at O2 bf16."""
+    if id(model) not in _CAPTURED:
+        ids = torch.zeros(2, 16, dtype=torch.long, device="meta")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _CAPTURED[id(model)] = export_module(model, (ids,), {}).gm
+    gm = copy.deepcopy(_CAPTURED[id(model)])
+    config = AmpConfig.create(dtype="bf16", **policy).resolve(torch.device("cpu"))
+    run_amp_passes(gm, config.policy(), torch.bfloat16, runtime=RuntimeOps(fp8_linear=fp8_stub),
+                   fp8=recipe or FP8Recipe())
+    out = {}
+    for node in gm.graph.nodes:
+        reason = node.meta.get("amp_reason", "")
+        if node.target is fp8_stub:
+            assert node.meta["amp_precision"] == "fp8" and reason.startswith("FP8 product")
+            out[module_info(node)[0]] = "fp8"
+        elif "not FP8: " in reason:
+            out[module_info(node)[0]] = reason.split("not FP8: ")[1]
+        elif node.op == "call_function":
+            assert node.meta.get("amp_precision") != "fp8"
+    return out
+
+
+def on_meta(make):
+    with torch.device("meta"):
+        return make()
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return on_meta(lambda: tf.LlamaForCausalLM(tf.LlamaConfig(
+        hidden_size=4096, intermediate_size=11008, num_hidden_layers=2, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=32000)))
+
+
+def test_llama_8b_width_runs_its_projections_and_mlps_in_fp8(llama):
+    chosen = products(llama)
+    first, head = chosen.pop("model.layers.0.self_attn.q_proj"), chosen.pop("lm_head")
+    assert "first or last" in first and "first or last" in head
+    assert set(chosen) == {f"model.layers.{i}.{m}" for i in (0, 1) for m in (
+        "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+        "mlp.up_proj", "mlp.down_proj")} | {"model.layers.1.self_attn.q_proj"}
+    assert set(chosen.values()) == {"fp8"}
+
+
+def test_rowwise_rule_is_stricter(llama):
+    chosen = products(llama, FP8Recipe(scaling="rowwise"))
+    # k/v (1024, 4096): out <= 1024 fails the rowwise rule; the rest of the blocks pass
+    assert "below the rowwise rule" in chosen["model.layers.1.self_attn.k_proj"]
+    assert chosen["model.layers.1.self_attn.o_proj"] == chosen["model.layers.0.mlp.up_proj"] \
+        == "fp8"
+
+
+def test_overrides_by_path_class_and_op(llama):
+    chosen = products(llama, FP8Recipe(exclude=("model.layers.1.mlp",),
+                                       include=("lm_head",)))
+    assert chosen["lm_head"] == "fp8"  # included: runs FP8 although last
+    assert all("excluded by the recipe" in chosen[f"model.layers.1.mlp.{m}"]
+               for m in ("gate_proj", "up_proj", "down_proj"))
+    by_class = products(llama, FP8Recipe(exclude=("class:LlamaAttention",)))
+    assert "excluded" in by_class["model.layers.1.self_attn.o_proj"]
+    assert by_class["model.layers.1.mlp.up_proj"] == "fp8"
+    by_op = products(llama, FP8Recipe(exclude=("aten.linear",)))
+    assert "fp8" not in by_op.values()
+
+
+def test_gpt2_xl_width_conv1d_products(one_thread):
+    model = on_meta(lambda: tf.GPT2LMHeadModel(tf.GPT2Config(
+        n_embd=1600, n_head=25, n_layer=2, vocab_size=50257, n_positions=64)))
+    chosen = products(model)
+    assert "first or last" in chosen.pop("transformer.h.0.attn.c_attn")
+    assert "first or last" in chosen.pop("lm_head")
+    assert chosen == {**{f"transformer.h.{i}.{m}": "fp8" for i in (0, 1)
+                         for m in ("attn.c_proj", "mlp.c_fc", "mlp.c_proj")},
+                      "transformer.h.1.attn.c_attn": "fp8"}
+
+
+def test_bert_large_width_only_its_mlp_down_projections_pass_the_rule():
+    model = on_meta(lambda: tf.BertModel(tf.BertConfig(
+        hidden_size=1024, num_hidden_layers=2, num_attention_heads=16,
+        intermediate_size=4096), add_pooling_layer=False))
+    chosen = products(model)
+    assert {p for p, v in chosen.items() if v == "fp8"} == {"encoder.layer.0.output.dense"}
+    assert "first or last" in chosen["encoder.layer.0.attention.self.query"]
+    assert "first or last" in chosen["encoder.layer.1.output.dense"]
+    assert "below the tensorwise rule" in chosen["encoder.layer.1.intermediate.dense"]
+    assert "below the tensorwise rule" in chosen["encoder.layer.1.attention.self.query"]
+
+
+def test_fp32_overrides_win_and_o0_has_no_fp8(llama):
+    chosen = products(llama, module_overrides={"model.layers.1.mlp": "fp32"})
+    assert "model.layers.1.mlp.up_proj" not in chosen  # fp32: not even eligible
+    with pytest.raises(ValueError, match="O0"):
+        AmpConfig.create(amp_level="O0", fp8=True)
