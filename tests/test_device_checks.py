@@ -12,6 +12,8 @@ CHECK = re.compile(r"device\.type|\.is_cuda\b|[=!]=\s*['\"](cpu|cuda)['\"]|"
 ALLOWED = {
     "ampgraph/runtime/cpu/": "the CPU runtime's own choices",
     "ampgraph/runtime/cuda/": "the CUDA runtime's own choices",
+    "ampgraph/runtime/fp8.py": "emulate=None: _scaled_mm's kernels on CUDA, the exact emulation "
+                               "elsewhere (CPU _scaled_mm is far too slow)",
     "ampgraph/config.py": "the resolution: dtype and runtime for the model's device",
     "ampgraph/cli/": "the CLI's own --device option",
     "ampgraph/onnx/session.py": "onnx_session's own device= option (the provider it asks for)",
