@@ -23,21 +23,24 @@ def inspect_target(target: Target, args: argparse.Namespace,
     else:
         model, inputs = loaded
         found = [inspect_module(target.spec, model, inputs, level, args.dtype or "auto",
-                                args.train, bool(getattr(args, "debug", False)))
+                                args.train, bool(getattr(args, "debug", False)),
+                                fp8=getattr(args, "fp8", None))
                  for level in levels]
     return found[0], (found[1] if len(found) > 1 else None)
 
 
 def inspect_module(spec: str, model: Any, inputs: tuple, level: str, dtype: str,
-                   train: bool, debug: bool = False) -> Inspection:
-    """Compile ``model`` at ``level``, capture it on ``inputs`` and collect the report."""
+                   train: bool, debug: bool = False, fp8: str | None = None) -> Inspection:
+    """Compile ``model`` at ``level`` (with ``fp8``: an FP8 recipe of that scaling),
+    capture it on ``inputs`` and collect the report."""
     import torch
 
     import ampgraph
     from ampgraph.cli.analysis import fx_stats, fx_view
 
     try:
-        net = ampgraph.compile(model, amp_level=level, dtype=dtype)
+        recipe = None if fp8 is None or level == "O0" else ampgraph.FP8Recipe(scaling=fp8)
+        net = ampgraph.compile(model, amp_level=level, dtype=dtype, fp8=recipe)
     except ValueError as exc:
         raise CliError(one_line(exc)) from exc
     net.train(train)

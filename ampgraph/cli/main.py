@@ -116,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--diff", type=_arg(parse_level), metavar="LEVEL",
                    help="also show what changes at LEVEL")
     p.add_argument("--train", action="store_true", help="capture in train mode (default eval)")
+    p.add_argument("--fp8", choices=("tensorwise", "rowwise"), default=None,
+                   help="PyTorch targets: the products that pay run in FP8 with this scaling "
+                        "(ampgraph.FP8Recipe); the report says why each does or does not")
     _add_inputs(p)
     p.set_defaults(func=cmd_inspect)
 

@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from ampgraph.runtime.fp8 import Float8Products
 from passes.fx.runtime_ops import RuntimeOps
 
 
@@ -62,7 +63,23 @@ class Runtime:
     def ops(self, backend: str | None) -> RuntimeOps:
         """The ops the passes route to this runtime; with a ``torch.compile`` backend only
         those the compiler can trace."""
-        return RuntimeOps()
+        return RuntimeOps(fp8_linear=self.fp8_linear(backend))
+
+    def fp8_linear(self, backend: str | None) -> Any:
+        """The FP8 product the graphs call (every runtime's): eagerly, each weight's FP8
+        copy made once per step and kept; under ``torch.compile``, all of it inline, for
+        the compiler to fuse."""
+        key = "_amp_fp8" if backend is None else "_amp_fp8_compiled"
+        products = self.__dict__.get(key)
+        if products is None:
+            products = self.__dict__[key] = Float8Products(cache_weights=backend is None)
+        return products.linear
+
+    def clear_fp8(self) -> None:
+        """Drop the FP8 copies of the weights (made again at their next use)."""
+        products = self.__dict__.get("_amp_fp8")
+        if products is not None:
+            products.clear()
 
     def compiled_edges(self) -> CompiledEdges:
         """What this runtime does around a graph handed to ``torch.compile``; the base:
@@ -79,6 +96,7 @@ class Runtime:
 
     def clear(self) -> None:
         """Drop what is kept between calls (after ``p.data`` edits)."""
+        self.clear_fp8()
 
     def invalidate(self) -> None:
         """Write every kept working copy again at its next use, keeping the copies (what a

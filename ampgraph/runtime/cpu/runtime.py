@@ -45,12 +45,14 @@ class CpuRuntime(Runtime):
     def ops(self, backend: str | None) -> RuntimeOps:
         if backend is not None:  # torch.compile traces the attention op (it has fake
             # kernels); the cache's Python and the dropout draw stay out of its graphs
-            return RuntimeOps(attention=amp_attention, unrepeated_kv_heads=True)
+            return RuntimeOps(attention=amp_attention, unrepeated_kv_heads=True,
+                              fp8_linear=self.fp8_linear(backend))
         return RuntimeOps(
             weight_cast=self.weights.cast, linear=self.weights.amp_linear,
             linear_activations=frozenset(ACTIVATIONS),
             embedding=self.weights.amp_embedding, attention=amp_attention,
-            dropout=amp_dropout, output_cast=self.outputs.cast, unrepeated_kv_heads=True)
+            dropout=amp_dropout, output_cast=self.outputs.cast, unrepeated_kv_heads=True,
+            fp8_linear=self.fp8_linear(backend))
 
     def compiled_edges(self) -> CompiledEdges:
         return CompiledEdges(weight_copy=self.weights.cast, output_cast=self.outputs.cast,
@@ -65,3 +67,4 @@ class CpuRuntime(Runtime):
     def clear(self) -> None:
         self.weights.clear()
         self.outputs.clear()
+        self.clear_fp8()

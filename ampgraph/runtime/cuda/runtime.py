@@ -70,9 +70,9 @@ class CudaRuntime(Runtime):
 
     def ops(self, backend: str | None) -> RuntimeOps:
         if backend is not None:  # torch.compile fuses the graph's own casts
-            return RuntimeOps()
+            return RuntimeOps(fp8_linear=self.fp8_linear(backend))
         return RuntimeOps(weight_group=self.weight_group, group_numel=GROUP_NUMEL,
-                          stacked_kv_heads=True)
+                          stacked_kv_heads=True, fp8_linear=self.fp8_linear(backend))
 
     def weight_group(self, specs: tuple) -> Callable[..., tuple]:
         """What a new group of parameter casts calls (``passes.fx.weight_groups``): its
@@ -97,6 +97,7 @@ class CudaRuntime(Runtime):
         self.copies.clear()
         for group in self.groups():  # their last copies would stand while the keys do
             group.forget()
+        self.clear_fp8()
 
     def invalidate(self) -> None:
         self.copies.invalidate()
