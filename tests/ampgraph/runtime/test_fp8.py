@@ -142,6 +142,30 @@ class CountOps(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+class Float8Casts(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.casts = []  # (dtype, shape) of every conversion to FP8
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.overloadpacket.__name__ == "_to_copy" and kwargs.get("dtype") in (
+                torch.float8_e4m3fn, torch.float8_e5m2):
+            self.casts.append((kwargs["dtype"], tuple(args[0].shape)))
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("scaling, grad_dtype", [("tensorwise", torch.float8_e5m2),
+                                                 ("rowwise", torch.float8_e4m3fn)])
+def test_output_gradient_dtype(scaling, grad_dtype):
+    """e5m2 for tensorwise gradients; e4m3 rowwise (the rowwise kernels take e4m3 only)."""
+    x, w, _ = operands(m=16, k=64, n=32)
+    out = Float8Products().linear(x.requires_grad_(), w, scaling=scaling)
+    with Float8Casts() as mode:
+        out.backward(torch.ones_like(out))
+    assert {c for c in mode.casts if c[1] == (16, 32)} == {(grad_dtype, (16, 32))}
+
+
 @pytest.mark.parametrize("cache", [True, False])
 @pytest.mark.parametrize("fused", [False, True])
 def test_one_weight_conversion_per_step_and_no_host_sync(fused, cache):
