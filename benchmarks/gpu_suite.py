@@ -28,7 +28,12 @@ time-out keeps what was measured. The modes:
   as one CUDA graph; it needs a fused optimizer, ``torch.optim.AdamW(fused=True,
   capturable=True)``; ``autocast-fused`` and ``floor-fused``: autocast and the floor with
   that optimizer too, for a like-for-like comparison. Inference of ``O2-graphed`` is O2's
-  eager inference (the same compiled module).
+  eager inference (the same compiled module);
+- ``O2-fp8`` and ``O2-fp8-inductor``: O2 with ``fp8=ampgraph.FP8Recipe()`` (the products
+  that pass torchao's tensorwise rule in FP8, eager and with inductor); their rows say how
+  many products ran FP8 (``fp8_products``). The model for them is ``llama4096`` (not in
+  the default models: 2 LLaMA-3-8B layers, d=4096, 8 x 2048 tokens), run as
+  ``--models llama4096 --modes O2,O2-fp8,O2-inductor,O2-fp8-inductor``.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ import ampgraph
 MODELS = ("bert", "gpt2", "llama", "resnet50", "vit")
 MODES = ("fp32", "autocast", "autocast-fp16", "O2", "O2-fp16", "floor", "autocast-compile",
          "O2-inductor", "O2-graphed", "autocast-fused", "floor-fused")
+FP8_MODES = ("O2-fp8", "O2-fp8-inductor")  # asked for by name
 
 
 def build(name: str, smoke: bool, device: str) -> tuple[nn.Module, dict, Callable, str]:
@@ -81,7 +87,8 @@ def build(name: str, smoke: bool, device: str) -> tuple[nn.Module, dict, Callabl
         inputs = {key: torch.randn(batch, 3, px, px, generator=g)}
         labels = torch.randint(0, classes, (batch,), generator=g)
     else:
-        batch, seq = {"bert": (32, 512), "gpt2": (16, 512), "llama": (8, 1024)}[name]
+        batch, seq = {"bert": (32, 512), "gpt2": (16, 512), "llama": (8, 1024),
+                      "llama4096": (8, 2048)}[name]
         if smoke:
             batch, seq = 2, 16
         if name == "bert":
@@ -91,6 +98,13 @@ def build(name: str, smoke: bool, device: str) -> tuple[nn.Module, dict, Callabl
             model = tf.GPT2LMHeadModel(tf.GPT2Config(**(
                 dict(n_embd=32, n_layer=1, n_head=2, vocab_size=100) if smoke else {})))
             source = "HF GPT-2 small"
+        elif name == "llama4096":  # FP8's products pass the rule: LLaMA-3-8B's layer shapes
+            model = tf.LlamaForCausalLM(tf.LlamaConfig(**(
+                dict(small, hidden_size=64, intermediate_size=128, num_key_value_heads=1)
+                if smoke else dict(hidden_size=4096, num_hidden_layers=2, num_attention_heads=32,
+                                   num_key_value_heads=8, intermediate_size=14336,
+                                   vocab_size=32000))))
+            source = "HF LLaMA 2 layers d=4096 (LLaMA-3-8B's) GQA 32/8"
         else:
             model = tf.LlamaForCausalLM(tf.LlamaConfig(**(dict(small, num_key_value_heads=1)
                                                         if smoke else dict(
@@ -134,8 +148,9 @@ class GpuMode:
                            for k, v in inputs.items()}
         self.net: Any = self.model
         if name.startswith("O2"):
-            self.net = ampgraph.compile(self.model, "O2", self.low,
-                                        backend="inductor" if name == "O2-inductor" else None)
+            fp8 = ampgraph.FP8Recipe() if "fp8" in name else None
+            self.net = ampgraph.compile(self.model, "O2", self.low, fp8=fp8,
+                                        backend="inductor" if name.endswith("inductor") else None)
         elif name == "autocast-compile":
             self.net = torch.compile(self.model)
         fused = name in ("O2-graphed", "autocast-fused", "floor-fused")
@@ -287,6 +302,9 @@ def run(args: Any) -> dict:
                 # peak_mib misses it; the process-wide reserved bytes include it
                 row["graphs"] = m.step.graphs.captures
                 row["reserved_mib"] = torch.cuda.memory_reserved() / 2**20
+            if "fp8" in m.name:
+                row["fp8_products"] = sum(r["precision"] == "fp8"
+                                          for r in ampgraph.explain(m.net).nodes)
             if m.name.startswith("O2"):
                 row["working_copies_mib"] = sum(
                     c.numel() * c.element_size() for c in m.net.working_copies()) / 2**20
