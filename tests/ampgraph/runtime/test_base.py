@@ -3,6 +3,8 @@ names each runtime (ampgraph/runtime/__init__.py)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -12,12 +14,14 @@ from ampgraph.runtime import RUNTIMES, CompiledEdges, Runtime, make_runtime
 from passes.fx.runtime_ops import ATEN_ONLY
 
 
-def test_the_base_runtime_routes_nothing_and_keeps_nothing():
+def test_the_base_runtime_routes_nothing_but_fp8_and_keeps_nothing():
     runtime = Runtime()
     assert runtime.name == "aten"
     for backend in (None, "inductor"):
-        ops = runtime.ops(backend)
-        assert ops == ATEN_ONLY and not ops.routes_weights
+        ops = runtime.ops(backend)  # the FP8 product only (for a graph with an FP8 recipe)
+        assert ops == dataclasses.replace(ATEN_ONLY, fp8_linear=ops.fp8_linear)
+        assert not ops.routes_weights
+        assert ops.fp8_linear.__self__.cache_weights is (backend is None)
     assert runtime.working_copies() == [] and runtime.nbytes() == 0
     runtime.clear()  # nothing to drop
     edges = runtime.compiled_edges()  # a compiled graph does every edge itself

@@ -30,7 +30,9 @@ def test_eager_graphs_group_their_parameter_casts_and_a_compiler_gets_none():
     # grouped key/value heads: the query heads stacked, equal head counts for every fused
     # kernel (enable_gqa with a mask runs on cuDNN or the math path only)
     assert ops.stacked_kv_heads and not ops.unrepeated_kv_heads
-    assert runtime.ops(backend="inductor") == RuntimeOps()
+    compiled = runtime.ops(backend="inductor")  # only the FP8 product (inline, traceable)
+    assert compiled == RuntimeOps(fp8_linear=compiled.fp8_linear)
+    assert compiled.fp8_linear.__self__.cache_weights is False
 
 
 def test_weight_group_tracks_its_groups_while_a_graph_holds_them():
