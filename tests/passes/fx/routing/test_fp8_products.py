@@ -174,3 +174,40 @@ def test_inspect_shows_fp8_rows(capsys, tmp_path):
     linears = [(r["module"], r["precision"]) for r in rows if r["op"] == "aten.linear"]
     assert linears == [("0", "bf16"), ("1", "fp8"), ("2", "bf16")]
     assert "passes the rule" in next(r["reason"] for r in rows if r["precision"] == "fp8")
+
+
+@pytest.mark.parametrize("runtime", ["cpu", "cuda"])
+def test_a_train_step_converts_each_fp8_weight_once_and_never_syncs(runtime, one_thread):
+    """Through build_train_step with a fused optimizer: per step, one e4m3 conversion of
+    each FP8 weight (two here), none of the 16-bit ones, and no host synchronisation in
+    forward and backward (counted over the step's own code; the step syncs once at its
+    end to read the overflow flag only with a loss-scale manager, which bf16 has none of)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import ampgraph
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.fp8, self.syncs = 0, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten._local_scalar_dense.default:
+                self.syncs += 1
+            if (func is torch.ops.aten._to_copy.default and out.dtype == torch.float8_e4m3fn
+                    and tuple(out.shape) in shapes):
+                self.fp8 += 1
+            return out
+
+    model = _mlp()
+    shapes = {(128, 128), (64, 128), (128, 64)}  # the FP8 weights, either layout
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    step = ampgraph.build_train_step(model, lambda y, t: (y - t).square().mean(), opt, "O2",
+                                     "bf16", runtime=runtime, fp8=ampgraph.FP8Recipe(rule="all"))
+    x, t = torch.randn(16, 64), torch.randn(16, 32)
+    step(x, t)  # capture
+    for _ in range(3):
+        with Count() as count:
+            step(x, t)
+        assert count.fp8 == 2 and count.syncs == 0, (count.fp8, count.syncs)
