@@ -215,3 +215,23 @@ def test_saved_activations_smoke():
     assert [r.split(" | ")[0] for r in rows[1:]] == ["| eager fp32", "| eager bf16",
                                                    "| ampgraph O2"]
     assert "O2 with checkpointing / eager bf16 with checkpointing" in proc.stdout
+
+
+@pytest.mark.slow
+def test_fp8_numerics_smoke(tmp_path):
+    out = tmp_path / "fp8.json"
+    proc = run("benchmarks/fp8_numerics.py", "--smoke", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = json.loads(out.read_text())
+    runs = data["runs"]
+    assert set(runs) == {"fp32", "bf16", "fp8"}
+    for rec in runs.values():  # same init, same data: the first losses agree
+        assert len(rec["train_loss"]) == 4 and rec["val_steps"] == [0, 2, 4]
+        assert abs(rec["val_loss"][0] - runs["fp32"]["val_loss"][0]) < 1e-2
+    # one block's proj, fc1, fc2: its qkv is the first product, the head the last (bf16)
+    assert runs["fp8"]["fp8_modules"] == ["blocks.0.fc1", "blocks.0.fc2", "blocks.0.proj"]
+    err = data["fp8_vs_bf16"]
+    assert set(err["per_layer"]) == set(runs["fp8"]["fp8_modules"])
+    assert all(0 < v["rel_err"] < 0.2 for v in err["per_layer"].values())
+    assert 0 < err["logits_rel_err"] < 0.2
+    assert [c["check"] for c in data["checks"]][-1] == "fp8 final val loss within 1% of bf16's"
