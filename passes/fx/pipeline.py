@@ -31,6 +31,7 @@ from passes.fx.hazards import mark_range_hazards
 from passes.fx.index_values import mark_index_values
 from passes.fx.insert_casts import annotate, insert_casts
 from passes.fx.layouts import contiguous_linear_inputs
+from passes.fx.periodic import mark_periodic_arguments
 from passes.fx.prepare import prepare
 from passes.fx.routing.attention import route_attention
 from passes.fx.routing.dropouts import route_dropouts
@@ -173,7 +174,9 @@ def amp_passes(
     if low in (torch.float16, torch.bfloat16) and policy.level != "O0":
         passes.append(named("mark_range_hazards", _mark_range_hazards, state, low))
         if policy.level != "O3":
-            passes.append(named("mark_index_values", _mark_index_values, state))
+            passes.append(named("mark_index_values", _mark_index_values, state, policy))
+            passes.append(named("mark_periodic_arguments", _mark_periodic_arguments, state,
+                                policy))
     passes += [
         named("paint", _paint, state, policy),
         named("annotate", _annotate, state),
@@ -242,8 +245,15 @@ def _mark_range_hazards(gm: fx.GraphModule, state: PipelineState, low: torch.dty
     return PassResult(gm, False)
 
 
-def _mark_index_values(gm: fx.GraphModule, state: PipelineState) -> PassResult:
-    mark_index_values(state.dataflow, gm)
+def _mark_index_values(gm: fx.GraphModule, state: PipelineState,
+                       policy: LevelPolicy) -> PassResult:
+    mark_index_values(state.dataflow, gm, policy)
+    return PassResult(gm, False)
+
+
+def _mark_periodic_arguments(gm: fx.GraphModule, state: PipelineState,
+                             policy: LevelPolicy) -> PassResult:
+    mark_periodic_arguments(state.dataflow, policy)
     return PassResult(gm, False)
 
 

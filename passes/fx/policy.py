@@ -39,6 +39,12 @@ FX_GROUPS: tuple[OpGroup, ...] = (
         "aten._addmm_activation aten.bilinear",
     ),
     op_group(
+        "dot", ALLOW,
+        "dot products along a dimension, on torch.autocast's lower-precision lists (CPU and "
+        "CUDA): the sum accumulates in fp32",
+        "aten.linalg_vecdot",
+    ),
+    op_group(
         "conv", ALLOW,
         "convolution: Tensor Cores / AMX run it several times faster and accumulate in fp32",
         "aten.conv1d aten.conv2d aten.conv3d aten.convolution aten._convolution "

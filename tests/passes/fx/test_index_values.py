@@ -62,3 +62,31 @@ def test_values_fed_by_data_or_parameters_are_painted_as_before(level):
     assert reasons.count(REASON) <= 6  # to_copy/matmul/cat/cos/sin and their views only
     mul = [v for k, v in precisions(net).items() if k.startswith("mul")]
     assert mul and all(r != REASON for _, r in mul)
+
+
+class ConstantProducts(nn.Module):
+    """Products of a module's constant matrices (buffers), as torch.autocast runs them low."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("a", torch.randn(4, 8))
+        self.register_buffer("b", torch.randn(8, 16))
+        self.register_buffer("c", torch.randn(16, 16))
+        self.register_buffer("v", torch.randn(4, 16))
+
+    def forward(self, x):
+        y = torch.linalg.multi_dot([self.a, self.b, self.c])
+        return x + y + torch.linalg.vecdot(y, self.v)[:, None]
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_products_of_buffers_alone_follow_the_allow_list_as_under_autocast(level):
+    model = ConstantProducts()
+    x = torch.randn(4, 16)
+    with torch.autocast("cpu", torch.bfloat16):
+        assert torch.linalg.multi_dot([model.a, model.b, model.c]).dtype == torch.bfloat16
+        assert torch.linalg.vecdot(model.c, model.c).dtype == torch.bfloat16
+    net = ampgraph.compile(model, amp_level=level, dtype="bf16")
+    rows = {n["name"]: (n["precision"], n["reason"]) for n in ampgraph.explain(net, x).nodes}
+    for name in ("linalg_multi_dot", "linalg_vecdot"):
+        assert rows[name][0] == "bf16" and rows[name][1].startswith("allow list"), rows[name]

@@ -56,7 +56,7 @@ EXPECTED_PASSES = [
     "prepare", "skip_whole_slices", "merge_duplicate_ops", "fuse_tanh_gelu", "skip_identity_ops",
     "drop_true_masks", "drop_unused_ops",
     "build_dataflow",
-    "mark_range_hazards", "mark_index_values", "paint",
+    "mark_range_hazards", "mark_index_values", "mark_periodic_arguments", "paint",
     "annotate", "insert_casts",
     "fold_casts", "fold_constant_casts", "fuse_norm_casts", "channels_last_inputs",
     "sink_gather_casts",
