@@ -16,7 +16,7 @@ import threading
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -40,6 +40,7 @@ from ampgraph.config import AmpConfig, ResolvedConfig, dtype_name, model_device
 from ampgraph.runtime import Runtime, compiled_runner, make_runtime
 from ampgraph.signature import SignedForward, signed_forward
 from passes.fx import run_amp_passes
+from passes.fx.calibration import observe_magnitudes, overflowing
 from passes.policy import NA, LevelPolicy
 
 MAX_GRAPHS_PER_SIGNATURE = 8
@@ -77,17 +78,11 @@ class Compiled:
 class AmpModule(nn.Module):
     """A model rewritten for mixed precision; see :func:`ampgraph.compile`.
 
-    The user's model and the eager plan are modules that must not become children:
-    ``share_state`` makes this module's ``_modules`` the model's own dict, so
-    ``nn.Module.__setattr__`` would register them in the user's model (the model inside
-    itself, every ``state_dict`` key prefixed). They are set with ``object.__setattr__``,
-    as is the graph each call picks (``_amp_last``: no ``nn.Module.__setattr__`` on every
-    call). The other fields are plain values.
-
-    ``AmpModule(model, ...)`` makes an instance of ``compiled_class(AmpModule, type(model))``,
-    a subclass named like the model's class with its ``forward`` signature (a
-    ``PreTrainedModel`` when the model is one): libraries that inspect the class (the
-    HuggingFace Trainer's label names, ``save_pretrained``) see the model's.
+    The model and the eager plan must not become children (``_modules`` is the model's own
+    dict: the model would sit inside itself): they, and each call's graph (``_amp_last``),
+    are set with ``object.__setattr__``. ``AmpModule(model, ...)`` is an instance of
+    ``compiled_class(AmpModule, type(model))``: named like the model's class, with its
+    ``forward`` signature (a ``PreTrainedModel`` when the model is one).
     """
 
     amp_resolved: ResolvedConfig  # level, dtype, device and runtime, resolved once
@@ -170,8 +165,7 @@ class AmpModule(nn.Module):
                 f"model={type(self._amp_model).__name__}")
 
     def working_copies(self) -> list[torch.Tensor]:
-        """The low-precision training copies of the weights this module keeps between steps
-        (what counts beside parameters, gradients and optimizer state in memory budgets).
+        """The low-precision training copies of the weights kept between steps (memory).
 
         Example:
             >>> sum(t.numel() * t.element_size() for t in net.working_copies())  # doctest: +SKIP
@@ -192,9 +186,8 @@ class AmpModule(nn.Module):
                 child.clear_weight_cache()
 
     def mark_weights_stale(self) -> None:
-        """Make the next call write every kept low-precision copy again from its master,
-        in place where nothing else holds it (a CUDA graph captured then records the
-        refresh, so every replay makes it); the copies themselves are kept."""
+        """Make the next call write every kept low-precision copy again from its master, in
+        place where nothing else holds it (a CUDA graph then records the refresh)."""
         if self._amp_runtime is not None:
             self._amp_runtime.invalidate()
         if self._amp_eager is not None:
@@ -213,9 +206,8 @@ class AmpModule(nn.Module):
     def add_graph_transform(self, transform: Any) -> None:
         """Run ``transform(gm)`` on every captured graph, now and after each new capture.
 
-        For training machinery that rewrites the compiled graph (per-layer loss scaling
-        inserts its gradient-scale ops this way). Submodules that fell back to eager
-        execution are not transformed.
+        For training machinery that rewrites the graph (per-layer loss scaling); submodules
+        that fell back to eager execution are not transformed.
 
         Example:
             >>> net.add_graph_transform(lambda gm: None)  # doctest: +SKIP
@@ -230,8 +222,7 @@ class AmpModule(nn.Module):
     def drop_graphs(self) -> None:
         """Forget every captured graph, this module's and its compiled submodules' when it
         fell back to eager execution: the next call captures again (after the parameters
-        changed dtype, e.g. to 16-bit master weights). ``amp_parts`` still reports the
-        last call's graph until then.
+        changed dtype). ``amp_parts`` reports the last call's graph until then.
 
         Example:
             >>> net.drop_graphs()  # doctest: +SKIP
@@ -241,6 +232,21 @@ class AmpModule(nn.Module):
             if self._amp_eager is not None:
                 for child in compiled_children(self._amp_eager, AmpModule):
                     child.drop_graphs()
+
+    def calibrate(self, *args: Any, **kwargs: Any) -> dict[str, str]:
+        """Run the captured graph in fp32 on sample inputs; from the next call on, keep fp32
+        the ops whose values exceeded fp16's range there (docs/levels.md): key -> reason.
+
+        Example:
+            >>> net.calibrate(latents)  # doctest: +SKIP
+        """
+        with self._amp_lock, preserved_global_state():
+            gm = export_module(self._amp_model, args, kwargs).gm
+            found = overflowing(observe_magnitudes(gm, args, kwargs), self.amp_dtype)
+            calibrated = {**dict(self._amp_policy.calibrated), **found}
+            self._amp_policy = replace(self._amp_policy, calibrated=tuple(calibrated.items()))
+            self.drop_graphs()
+        return found
 
     # -- execution ------------------------------------------------------------------------
 
@@ -280,8 +286,7 @@ class AmpModule(nn.Module):
                 if compiled.captured.accepts_leaves(leaves):
                     object.__setattr__(self, "_amp_last", compiled)
                     return compiled
-            # other shapes of this structure captured: these ones alone run eagerly if
-            # export refuses them (e.g. sizes the model itself rejects), not every call
+            # other shapes of this structure captured: only these run eagerly if refused
             shapes = (key, tuple(t.shape for t in leaves if isinstance(t, torch.Tensor)))
             if shapes in self._amp_refused:
                 return None
@@ -296,8 +301,7 @@ class AmpModule(nn.Module):
             return compiled
 
     def _capture(self, args: tuple, kwargs: dict, first: bool = True) -> Compiled | None:
-        # export and the passes both trace or re-run the model's ops; neither may leave
-        # grad mode, autocast, inference mode, the default dtype or the RNG changed
+        # export and the passes leave grad/inference mode, autocast, dtype, RNG as they were
         with preserved_global_state():
             return self._capture_unguarded(args, kwargs, first)
 
@@ -339,8 +343,7 @@ class AmpModule(nn.Module):
             gm, cfg.backend, cfg.compile_options, self._runtime_for(self._amp_model))
 
     def _runtime_for(self, model: nn.Module) -> Runtime:
-        """The runtime the resolved configuration names for the model's device now (made
-        once; again if the model moved to a device with another runtime)."""
+        """The runtime the config names for the model's device now (made again on a move)."""
         name = self.amp_resolved.runtime_on(model_device(model))
         runtime = self._amp_runtime
         if runtime is None or runtime.name != name:
@@ -370,10 +373,8 @@ class AmpModule(nn.Module):
     # -- reporting ------------------------------------------------------------------------
 
     def amp_parts(self) -> tuple[list[tuple[str, Compiled]], list[EagerPart]]:
-        """What the last run executed: (compiled graphs with their module prefix, eager parts).
-
-        The graphs are those of the last call (per submodule when the model fell back);
-        ``explain`` and ``ampgraph inspect`` read them.
+        """What the last call ran: (compiled graphs with their module prefix, eager parts),
+        per submodule when the model fell back; ``explain`` and ``ampgraph inspect`` read it.
 
         Example:
             >>> graphs, eager = net.amp_parts()

@@ -224,6 +224,9 @@ class LevelPolicy:
     keep_norm_fp32: bool
     table: OpTable
     overrides: Overrides = field(default_factory=Overrides)
+    # (op key from passes/fx/calibration.py's node_keys, reason): ops a calibration run
+    # saw exceed the low dtype's range, kept fp32
+    calibrated: tuple[tuple[str, str], ...] = ()
 
     def under(self, path: str) -> LevelPolicy:
         """This policy for a module at ``path`` of the model its module patterns name.

@@ -12,6 +12,7 @@ import torch
 from torch import fx
 
 from passes._infra import PassManager, PassResult, named
+from passes.fx.calibration import force_calibrated, tag_calibrated
 from passes.fx.checkpoints import outline_checkpoints
 from passes.fx.dataflow import build_dataflow
 from passes.fx.fold.cast_count import count_casts
@@ -155,7 +156,10 @@ def amp_passes(
         >>> [p.__name__ for p in amp_passes(make_policy("O2"), torch.bfloat16, PipelineState())][:3]
         ['prepare', 'skip_whole_slices', 'merge_duplicate_ops']
     """
-    passes = [
+    calibrated = low == torch.float16 and policy.level != "O0" and policy.calibrated
+    passes = [named("tag_calibrated", _tag_calibrated, dict(policy.calibrated))] \
+        if calibrated else []  # on the graph as captured: the keys were made on it
+    passes += [
         named("prepare", prepare, recompile=False),
         named("skip_whole_slices", skip_whole_slices, recompile=False),
         named("merge_duplicate_ops", merge_duplicate_ops, by_module=bool(policy.overrides.modules),
@@ -173,6 +177,8 @@ def amp_passes(
     ]
     if low in (torch.float16, torch.bfloat16) and policy.level != "O0":
         passes.append(named("mark_range_hazards", _mark_range_hazards, state, low))
+        if calibrated:
+            passes.append(named("force_calibrated", _force_calibrated, state))
         if policy.level != "O3":
             passes.append(named("mark_index_values", _mark_index_values, state, policy))
             passes.append(named("mark_periodic_arguments", _mark_periodic_arguments, state,
@@ -242,6 +248,16 @@ def _build_dataflow(gm: fx.GraphModule, state: PipelineState) -> PassResult:
 
 def _mark_range_hazards(gm: fx.GraphModule, state: PipelineState, low: torch.dtype) -> PassResult:
     mark_range_hazards(state.dataflow, gm, low)
+    return PassResult(gm, False)
+
+
+def _tag_calibrated(gm: fx.GraphModule, calibrated: dict) -> PassResult:
+    tag_calibrated(gm, calibrated)  # node.meta only
+    return PassResult(gm, False)
+
+
+def _force_calibrated(gm: fx.GraphModule, state: PipelineState) -> PassResult:
+    force_calibrated(state.dataflow, gm)
     return PassResult(gm, False)
 
 
