@@ -16,7 +16,7 @@ The weight's FP8 copies (the forward one and the transposed one backward reads, 
 their scales) are made once per step with ``cache_weights=True``: kept per master,
 keyed on its version counter and storage, so every use between two optimizer steps
 reuses them. Fused optimizers write the masters without bumping their version counters;
-a global optimizer step hook bumps them (as the CUDA runtime's weight groups do). With
+a global optimizer step hook bumps them (`fused_updates.py`, shared with the CUDA runtime). With
 ``cache_weights=False`` (the torch.compile path) everything is computed inline, so
 inductor fuses the amax and cast work.
 
@@ -27,14 +27,13 @@ product, rounded once; CPU ``_scaled_mm`` is correct but far too slow to use.
 
 from __future__ import annotations
 
-import itertools
 import threading
 import weakref
 from typing import Any
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from ampgraph.runtime.fused_updates import see_fused_updates
 from passes.fx.fp8_recipe import FORWARD_DTYPE, GRAD_DTYPE, SCALINGS, WEIGHT_GRADS
 
 _EPS = 1e-12  # amax floor: an all-zero tensor gets a finite scale (torchao's value)
@@ -161,26 +160,6 @@ class _Float8Linear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None, None, None, None, None, None
 
 
-def _bump_fused_versions(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """After a fused optimizer's step: its kernels write the masters without bumping their
-    version counters, so cached FP8 copies would go stale; bump them (one call). The same
-    hook as the CUDA runtime's weight groups (a second bump is harmless)."""
-    fused = list(itertools.chain.from_iterable(
-        g["params"] for g in optimizer.param_groups if g.get("fused")))
-    if fused:
-        torch.autograd.graph.increment_version(fused)
-
-
-_hook_lock = threading.Lock()
-_hook: list = []
-
-
-def _see_fused_updates() -> None:
-    with _hook_lock:
-        if not _hook:
-            _hook.append(register_optimizer_step_post_hook(_bump_fused_versions))
-
-
 class Float8Products:
     """The FP8 products of one compiled module, with its cache of FP8 weight copies.
 
@@ -204,7 +183,7 @@ class Float8Products:
         self._lock = threading.Lock()
         self.conversions = 0  # weight copies made (tests, benchmarks)
         if cache_weights:
-            _see_fused_updates()
+            see_fused_updates()
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                *, transposed: bool = False, scaling: str = "tensorwise",

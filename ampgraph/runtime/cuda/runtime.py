@@ -11,17 +11,15 @@ are the fast ones).
 
 from __future__ import annotations
 
-import itertools
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ampgraph.runtime.base import Runtime
 from ampgraph.runtime.cuda.master_weights import MasterCopies, WeightGroup
+from ampgraph.runtime.fused_updates import see_fused_updates
 from passes.fx.runtime_ops import RuntimeOps
 
 # A group's gradients are ready together, once backward has passed the group's first use:
@@ -30,26 +28,6 @@ from passes.fx.runtime_ops import RuntimeOps
 # multi-tensor kernel handles about that much per launch anyway
 # (docs/performance.md#cuda-group-size).
 GROUP_NUMEL = 1 << 24
-
-
-def _bump_fused_versions(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """After a fused optimizer's step: its kernels write the masters without bumping their
-    version counters, so the groups would keep stale copies; bump them (one call)."""
-    fused = list(itertools.chain.from_iterable(
-        g["params"] for g in optimizer.param_groups if g.get("fused")))
-    if fused:
-        torch.autograd.graph.increment_version(fused)
-
-
-_hook_lock = threading.Lock()
-_hook: list = []
-
-
-def _see_fused_updates() -> None:
-    """Install, once per process, the optimizer step hook that makes fused updates seen."""
-    with _hook_lock:
-        if not _hook:
-            _hook.append(register_optimizer_step_post_hook(_bump_fused_versions))
 
 
 class CudaRuntime(Runtime):
@@ -63,7 +41,7 @@ class CudaRuntime(Runtime):
     name = "cuda"
 
     def __init__(self) -> None:
-        _see_fused_updates()
+        see_fused_updates()
         self.copies = MasterCopies()
         self._groups: weakref.WeakSet[WeightGroup] = weakref.WeakSet()
         self._lock = threading.Lock()
