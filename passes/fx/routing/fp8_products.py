@@ -31,6 +31,7 @@ from passes._infra import PassResult, visiting
 from passes.fx.dtypes import CAST, dtype_of, is_amp_cast
 from passes.fx.fp8_recipe import FP8Recipe
 from passes.fx.nodes import module_info, op_key
+from passes.fx.routing.linears import product_operands
 from passes.policy import module_match
 
 aten = torch.ops.aten
@@ -78,22 +79,16 @@ def route_fp8_products(gm: fx.GraphModule, fp8_linear: Callable[..., Any], low: 
 def eligible_operands(node: fx.Node, low: torch.dtype
                       ) -> tuple[fx.Node, fx.Node, Any, bool] | None:
     """``(x, the weight's cast, the bias, transposed)`` of a product of a ``low``
-    activation and a parameter's weight, else None."""
-    if node.op != "call_function" or node.kwargs:
+    activation and a parameter's weight (its cast not routed yet), else None."""
+    operands = product_operands(node)
+    if operands is None:
         return None
-    if node.target is aten.linear.default and len(node.args) >= 2:
-        x, w, b, transposed = node.args[0], node.args[1], (node.args[2:] or (None,))[0], False
-    elif node.target is aten.addmm.default and len(node.args) == 3:
-        b, x, w = node.args
-        transposed = True
-    else:
-        return None
+    x, w = operands[:2]
     if not (is_amp_cast(w) and w.target is CAST and isinstance(w.args[0], fx.Node)
-            and w.args[0].op == "get_attr" and dtype_of(x) == low == dtype_of(w)):
+            and w.args[0].op == "get_attr" and dtype_of(x) == low == dtype_of(w)
+            and len(_shape(w)) == 2):
         return None
-    if len(_shape(w)) != 2 or (transposed and len(_shape(x)) != 2):
-        return None
-    return x, w, b, transposed
+    return operands
 
 
 def _kept_why(node: fx.Node, recipe: FP8Recipe, prefix: str, out_f: int, in_f: int,

@@ -71,25 +71,29 @@ def _routed_cast(node: object) -> bool:
             and len(node.users) == 1)
 
 
+def product_operands(node: fx.Node) -> tuple[fx.Node, Any, Any, bool] | None:
+    """``(x, w, b, transposed)`` of ``aten.linear(x, w, b)``, or of ``aten.addmm(b, x, w)``
+    on a 2-D ``x`` and ``w`` (transformers' ``Conv1D``, ``w`` stored ``[in, out]``:
+    ``transposed``), else None. (The FP8 products' pass takes the same products.)"""
+    if node.op != "call_function" or node.kwargs:
+        return None
+    if node.target is aten.linear.default and len(node.args) >= 2:
+        return node.args[0], node.args[1], (node.args[2:] or (None,))[0], False
+    if node.target is aten.addmm.default and len(node.args) == 3:
+        b, x, w = node.args
+        if len(getattr(_val(w), "shape", ())) == 2 == len(getattr(_val(x), "shape", ())):
+            return x, w, b, True
+    return None
+
+
 def _operands(node: fx.Node, low: torch.dtype
               ) -> tuple[fx.Node, fx.Node, Any, bool] | None:
     """``(x, the weight's cast, the bias, transposed)`` of a linear or ``Conv1D`` product
     to route, else None."""
-    if node.op != "call_function" or node.kwargs:
+    operands = product_operands(node)
+    if operands is None or dtype_of(operands[0]) != low or not _routed_cast(operands[1]):
         return None
-    if node.target is aten.linear.default and len(node.args) >= 2:
-        x, w, b, transposed = node.args[0], node.args[1], (node.args[2:] or (None,))[0], False
-    elif node.target is aten.addmm.default and len(node.args) == 3:
-        b, x, w = node.args
-        transposed = True
-        if len(getattr(_val(w), "shape", ())) != 2 or len(getattr(
-                _val(x), "shape", ())) != 2:
-            return None
-    else:
-        return None
-    if dtype_of(x) != low or not _routed_cast(w):
-        return None
-    return x, w, b, transposed
+    return operands
 
 
 def _val(node: object) -> Any:
