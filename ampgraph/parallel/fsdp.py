@@ -76,7 +76,9 @@ def shard(
     """
     if gather not in PARAM_GATHER:
         raise ValueError(f"gather must be one of {PARAM_GATHER}, got {gather!r}")
-    if any(type(m).__name__.startswith("FSDP") for m in model.modules()):
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
         raise ValueError("the model is already sharded: give ampgraph.shard the unsharded "
                          "model; it compiles, then shards")
     config = AmpConfig.create(amp_level=amp_level, dtype=dtype,
@@ -85,8 +87,6 @@ def shard(
     mesh = _default_mesh(model) if mesh is None else mesh
     if mesh is None:
         return model
-    from torch.distributed.fsdp import fully_shard
-
     policy = mixed_precision_policy(config, reduce_dtype, gather)
     for block in compiled:
         fully_shard(block, mesh=mesh, mp_policy=policy,
