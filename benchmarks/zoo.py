@@ -45,41 +45,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torchvision_ops  # benchmarks/, the script's folder, is on sys.path
 from torch import nn
 
-
-def _stand_in_for_torchvision_fake_kernels() -> None:
-    """Let a torchvision whose C ops do not load still import (REFERENCE.md section 9).
-
-    torchvision's wheel on the package index links the CUDA torch build; with the pinned CPU
-    torch its ``_C`` library does not load, which torchvision itself tolerates
-    (``torchvision.extension._has_ops()`` is then False and ``torchvision.ops`` raises only
-    when an op such as ``nms`` is called), but ``torchvision._meta_registrations`` then
-    registers fake kernels for ``torchvision::nms`` & co. unconditionally at import and
-    raises "operator torchvision::nms does not exist". Only in that case an empty module
-    stands in for ``_meta_registrations`` before anything imports torchvision (transformers
-    and timm do); no zoo model calls those C ops (nms, roi_align, deform_conv2d, ...).
-    A torchvision whose ops load is imported untouched.
-    """
-    import importlib.util
-    import types
-
-    spec = importlib.util.find_spec("torchvision")
-    if spec is None or not spec.submodule_search_locations:
-        return
-    libs = [os.path.join(d, "_C.so") for d in spec.submodule_search_locations]
-    lib = next((p for p in libs if os.path.exists(p)), None)
-    try:
-        if lib is not None:
-            torch.ops.load_library(lib)
-            return
-    except OSError:
-        pass
-    sys.modules.setdefault("torchvision._meta_registrations",
-                           types.ModuleType("torchvision._meta_registrations"))
-
-
-_stand_in_for_torchvision_fake_kernels()
+torchvision_ops.prepare()  # before transformers or timm import torchvision
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import ampgraph  # noqa: E402
