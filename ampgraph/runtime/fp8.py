@@ -28,12 +28,12 @@ product, rounded once; CPU ``_scaled_mm`` is correct but far too slow to use.
 from __future__ import annotations
 
 import threading
-import weakref
 from typing import Any
 
 import torch
 
 from ampgraph.runtime.fused_updates import see_fused_updates
+from ampgraph.runtime.tensors import master_ref
 from passes.fx.fp8_recipe import FORWARD_DTYPE, GRAD_DTYPE, SCALINGS, WEIGHT_GRADS
 
 _EPS = 1e-12  # amax floor: an all-zero tensor gets a finite scale (torchao's value)
@@ -228,8 +228,8 @@ class Float8Products:
         with self._lock:
             entry = self._entries.get(slot)
             if entry is None or entry[0]() is not weight:
-                entry = self._entries[slot] = [weakref.ref(weight, self._forget(slot)),
-                                               None, None]
+                ref = master_ref(weight, self._entries, slot, self._lock)
+                entry = self._entries[slot] = [ref, None, None]
             if entry[1] != key:
                 with torch.no_grad():
                     entry[2] = weight_copies(weight, scaling, transposed)
@@ -237,15 +237,7 @@ class Float8Products:
                 self.conversions += 1
             return entry[2]
 
-    def _forget(self, slot: tuple):
-        def drop(ref: weakref.ref) -> None:
-            with self._lock:
-                entry = self._entries.get(slot)
-                if entry is not None and entry[0] is ref:
-                    del self._entries[slot]
-        return drop
-
     def clear(self) -> None:
         """Drop every kept FP8 copy (after changing masters through ``p.data``)."""
         with self._lock:
-            self._entries = {}
+            self._entries.clear()

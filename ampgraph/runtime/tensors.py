@@ -1,9 +1,13 @@
-"""Tensor helpers every runtime shares: storage references and layout-keeping empties."""
+"""Tensor helpers every runtime shares: storage references, layout-keeping empties, and the
+weak reference by which a kept copy dies with its master."""
 
 from __future__ import annotations
 
 import itertools
 import operator
+import weakref
+from collections.abc import Callable, Hashable
+from typing import Any
 
 import torch
 
@@ -48,8 +52,30 @@ def empty_as(p: torch.Tensor, dtype: torch.dtype, memory_format: torch.memory_fo
 
     Example:
         >>> empty_as(torch.ones(2, 3).t(), torch.bfloat16, None).stride()
-        (1, 2)
+        (1, 3)
     """
     if memory_format is None:
         return torch.empty_strided(p.shape, p.stride(), dtype=dtype, device=p.device)
     return torch.empty(p.shape, dtype=dtype, device=p.device, memory_format=memory_format)
+
+
+def master_ref(master: torch.Tensor, entries: dict[Hashable, Any], slot: Hashable, lock: Any,
+               then: Callable[[], None] | None = None) -> weakref.ref:
+    """A weak reference to ``master`` for ``entries[slot]`` (an entry whose item 0 is this
+    reference): when ``master`` dies, the entry is dropped under ``lock``, unless the slot
+    holds a newer master's entry by then, and ``then()`` runs.
+
+    Example:
+        >>> import threading; p, kept = torch.ones(1), {}
+        >>> kept["p"] = (master_ref(p, kept, "p", threading.Lock()), "copy")
+        >>> del p; kept
+        {}
+    """
+    def drop(ref: weakref.ref) -> None:
+        with lock:
+            entry = entries.get(slot)
+            if entry is not None and entry[0] is ref:
+                del entries[slot]
+                if then is not None:
+                    then()
+    return weakref.ref(master, drop)

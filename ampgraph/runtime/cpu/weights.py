@@ -45,7 +45,7 @@ from ampgraph.runtime.cpu.buffers import take_free
 from ampgraph.runtime.cpu.cast import CastInto
 from ampgraph.runtime.cpu.embedding import AmpEmbedding
 from ampgraph.runtime.cpu.linear import AmpLinear, blockable
-from ampgraph.runtime.tensors import empty_as
+from ampgraph.runtime.tensors import empty_as, master_ref
 
 _linear = torch.nn.functional.linear  # aten.linear's generated binding: no OpOverload frame
 
@@ -86,15 +86,8 @@ class WeightCache:
         ref, per = self._slots.get(id(p), (None, None))
         if ref is None or ref() is not p:
             per = {}
-            self._slots[id(p)] = (weakref.ref(p, self._forget(id(p))), per)
+            self._slots[id(p)] = (master_ref(p, self._slots, id(p), self._lock), per)
         return per
-
-    def _forget(self, key: int):
-        def drop(ref: weakref.ref) -> None:
-            with self._lock:
-                if self._slots.get(key, (None,))[0] is ref:
-                    del self._slots[key]
-        return drop
 
     def cast(self, p: torch.Tensor, dtype: torch.dtype,
              memory_format: torch.memory_format | None = None) -> torch.Tensor:

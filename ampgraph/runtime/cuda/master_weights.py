@@ -26,13 +26,12 @@ from __future__ import annotations
 import itertools
 import operator
 import threading
-import weakref
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 import torch
 
-from ampgraph.runtime.tensors import all_alone, empty_as, storage_refs
+from ampgraph.runtime.tensors import all_alone, empty_as, master_ref, storage_refs
 
 _Spec = tuple[torch.dtype, "torch.memory_format | None"]
 
@@ -61,8 +60,8 @@ class MasterCopies:
                 slot = (key[0], dtype, fmt)
                 entry = self._entries.get(slot)
                 if entry is None or entry[0]() is not p:
-                    entry = self._entries[slot] = [weakref.ref(p, self._forget(slot)),
-                                                   None, None]
+                    ref = master_ref(p, self._entries, slot, self._lock, self._moved)
+                    entry = self._entries[slot] = [ref, None, None]
                     self.epoch += 1
                 copy = entry[1]
                 if entry[2] != key:
@@ -100,14 +99,8 @@ class MasterCopies:
             self.refreshes += 1
             return True
 
-    def _forget(self, slot: tuple):
-        def drop(ref: weakref.ref) -> None:
-            with self._lock:
-                entry = self._entries.get(slot)
-                if entry is not None and entry[0] is ref:
-                    del self._entries[slot]
-                    self.epoch += 1
-        return drop
+    def _moved(self) -> None:  # an entry died with its master
+        self.epoch += 1
 
     def copies(self) -> list[torch.Tensor]:
         with self._lock:
