@@ -367,7 +367,7 @@ class AmpModule(nn.Module):
     def _compile_child(self, child: nn.Module, path: str) -> AmpModule:
         """A child of the eager plan, compiled on its own with this module's policy."""
         sub = AmpModule(child, self.amp_resolved, path)
-        sub._amp_policy = self._amp_policy.under(path)
+        sub._amp_policy = self._amp_policy.under(path, fallback_part=True)
         return sub
 
     # -- reporting ------------------------------------------------------------------------

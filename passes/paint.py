@@ -35,6 +35,10 @@ Rules (TensorFlow grappler's auto_mixed_precision, per level table in policy.py)
    op, fp32 op or source, are fp32. In 16 bits the compared values tie (a MoE router's
    sigmoid scores near 0.5 are 2**-8 apart in bf16) and the choice changes; autocast, which
    keeps such ops in fp32 after the model's explicit ``.float()``, picks as fp32 does.
+8. Fallback parts without products (O1, O2): a graph of a child an eager fallback compiles
+   on its own (``policy.fallback_part``) with no ALLOW op is fp32. Its inputs come from fp32
+   code and its outputs go back to it, so low precision would only round: torchvision's
+   ``MultiScaleRoIAlign`` is box coordinates, level mapping and sampling positions.
 """
 
 from __future__ import annotations
@@ -76,6 +80,9 @@ class Decision:
 
 
 Assignment = dict[Hashable, Decision]
+NO_PRODUCTS_REASON = (
+    "eager fallback part without a matrix product or convolution: its inputs come from fp32 "
+    "code and its outputs return to it, so low precision would only round")
 
 
 def paint(graph: nx.DiGraph, policy: LevelPolicy) -> Assignment:
@@ -105,6 +112,8 @@ def paint(graph: nx.DiGraph, policy: LevelPolicy) -> Assignment:
     o0 = policy.level == "O0"
     between: set | None = set() if policy.level == "O2" else None  # for rule 6
     selecting = _selection_inputs(graph, policy) if policy.level in ("O1", "O2") else {}
+    no_products = (policy.fallback_part and policy.level in ("O1", "O2")  # rule 8
+                   and not _has_allow_op(graph, policy))
     for v, data in graph.nodes(data=True):
         kind = data.get("kind", COMPUTE)
         if kind == SOURCE:
@@ -137,6 +146,9 @@ def paint(graph: nx.DiGraph, policy: LevelPolicy) -> Assignment:
             if forced is not None:
                 out[v] = decide(forced[0], f"module override: {forced[1]}", info.cls)
                 continue
+        if no_products and (fixed is None or fixed.precision != FP32):
+            out[v] = decide(FP32, NO_PRODUCTS_REASON, info.cls)
+            continue
         sel = selecting.get(v)
         if sel is not None:  # rule 7
             out[v] = decide(FP32, f"feeds the selection {sel}: 16-bit values would tie and "
@@ -208,6 +220,12 @@ def _selection_inputs(graph: nx.DiGraph, policy: LevelPolicy) -> dict[Hashable, 
                 fed[u] = sel
                 stack.append((u, sel))
     return fed
+
+
+def _has_allow_op(graph: nx.DiGraph, policy: LevelPolicy) -> bool:
+    ops = {data.get("op", "") for _, data in graph.nodes(data=True)
+           if data.get("kind", COMPUTE) == COMPUTE}
+    return any(policy.op_info(op).cls == ALLOW for op in ops)
 
 
 def _module_override(policy: LevelPolicy, data: dict, cache: dict) -> tuple[str, str] | None:

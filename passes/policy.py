@@ -227,15 +227,20 @@ class LevelPolicy:
     # (op key from passes/fx/calibration.py's node_keys, reason): ops a calibration run
     # saw exceed the low dtype's range, kept fp32
     calibrated: tuple[tuple[str, str], ...] = ()
+    # a child compiled on its own by an eager fallback: fp32 code makes its inputs and takes
+    # its outputs, so at O1/O2 a graph of it without an ALLOW op stays fp32 (paint rule 8)
+    fallback_part: bool = False
 
-    def under(self, path: str) -> LevelPolicy:
-        """This policy for a module at ``path`` of the model its module patterns name.
+    def under(self, path: str, fallback_part: bool | None = None) -> LevelPolicy:
+        """This policy for a module at ``path`` of the model its module patterns name (a
+        child of an eager fallback when ``fallback_part``; None keeps this policy's flag).
 
         Example:
             >>> policy.under("model.layers.0").overrides.prefix
             'model.layers.0'
         """
-        return replace(self, overrides=replace(self.overrides, prefix=path))
+        part = self.fallback_part if fallback_part is None else fallback_part
+        return replace(self, overrides=replace(self.overrides, prefix=path), fallback_part=part)
 
     def op_info(self, key: str) -> OpInfo:
         """Class and reason for an op key, with user overrides and the norm switch applied."""

@@ -246,3 +246,31 @@ def test_a_selection_does_not_reach_past_fp32_ops_overrides_or_o3():
     p, a = precisions(g, "O2", module_rules=[("router", LOW, "module_overrides")])
     assert p["sigmoid"] == LOW and "module override" in a["1:sigmoid"].reason
     assert precisions(chain("mm", "sigmoid", "topk"), "O3")[0]["sigmoid"] == LOW
+
+
+def test_a_fallback_part_without_a_matrix_op_is_fp32_at_o1_and_o2_only():
+    g = chain("mul", "floor", "add", "softmax")  # box coordinates and a level map, no product
+    for level in ("O1", "O2"):
+        part = make_policy(level).under("roi_pool", fallback_part=True)
+        a = paint(g, part)
+        assert {a[f"{i}:{op}"].precision for i, op in enumerate(("mul", "floor", "add"))} \
+            == {FP32}, level
+        assert "eager fallback part without a matrix product" in a["0:mul"].reason
+        assert a["3:softmax"].reason.startswith("deny list"), "a deny op keeps its reason"
+    whole, _ = precisions(g, "O2")
+    assert whole["mul"] == LOW, "compiled whole (not a fallback part): O2 as before"
+    o3 = paint(g, make_policy("O3").under("roi_pool", fallback_part=True))
+    assert o3["0:mul"].precision == LOW, "O3 keeps everything low"
+
+
+def test_a_fallback_part_with_a_matrix_op_or_a_low_override_paints_as_usual():
+    part = make_policy("O2").under("head", fallback_part=True)
+    assert part.under("head.fc").fallback_part, "a child of a part is a part"
+    a = paint(chain("mm", "mul"), part)
+    assert a["0:mm"].precision == LOW and a["1:mul"].precision == LOW
+    forced = make_policy("O2", module_rules=[("roi_pool", LOW, "module_overrides")])
+    g = chain("mul", "add")
+    for v in ("0:mul", "1:add"):
+        g.nodes[v]["module"] = "roi_pool"
+    a = paint(g, forced.under("", fallback_part=True))
+    assert a["0:mul"].precision == LOW and "module override" in a["0:mul"].reason

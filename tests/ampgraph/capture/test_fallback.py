@@ -263,3 +263,43 @@ def test_hf_models_with_data_dependent_guards_fall_back_and_match_fp32(build):
     assert cosine(out, ref) >= 0.99
     graphs, eager = net.amp_parts()
     assert eager[0].path == "<root>" and graphs, "the children that can be are compiled"
+
+
+class Scaled(nn.Module):
+    """Box coordinates scaled to a feature map's level: no product, only rounding to lose."""
+
+    def forward(self, boxes):
+        return torch.floor(boxes * 0.25 + 0.5)
+
+
+class Detector(nn.Module):
+    """Not exportable whole: keeps the boxes whose score passes, as detectors' box code does."""
+
+    def __init__(self):
+        super().__init__()
+        self.score = nn.Linear(4, 1)
+        with torch.no_grad():  # x0 - x1: about half the boxes pass
+            self.score.weight.copy_(torch.tensor([[1.0, -1.0, 0.0, 0.0]]))
+            self.score.bias.zero_()
+        self.scale = Scaled()
+
+    def forward(self, boxes):
+        kept = boxes[self.score(boxes)[:, 0] > 0]  # a data-dependent number of boxes
+        return self.scale(kept) if len(kept) else kept
+
+
+def test_a_fallback_part_without_a_matrix_op_runs_fp32_beside_a_low_linear():
+    torch.manual_seed(0)
+    model = Detector().eval()
+    net = ampgraph.compile(model, "O2", "bf16")
+    boxes = torch.rand(64, 4) * 1000 + 1000  # bf16 keeps 8 bits: steps of 8 up here
+    with pytest.warns(UserWarning, match="could not be captured whole"), torch.no_grad():
+        out, rec = record(lambda: net(boxes))
+    with torch.no_grad():
+        ref = model(boxes)
+    assert torch.equal(out, ref), "the coordinates were rounded to bf16"
+    assert {d[0] for _, d in rec.inputs_of(MATMUL_OPS)} == {torch.bfloat16}, \
+        "the scoring linear still runs low"
+    rows = {r["module"]: r for r in ampgraph.explain(net).nodes if r["op"].startswith("aten.floor")}
+    assert rows["scale"]["precision"] == "fp32"
+    assert "eager fallback part without a matrix product" in rows["scale"]["reason"]
