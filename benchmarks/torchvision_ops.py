@@ -19,8 +19,10 @@ torchvision's ``_C`` itself. A torchvision whose ops load is imported untouched.
   higher-scoring box exceeds the threshold), written in torch ops.
 
 No other C op is needed by the models we run: ``roi_align`` (Faster/Mask R-CNN) falls back
-to torchvision's own pure-torch version, ``roi_pool``/``ps_roi_*``/``deform_conv2d`` are
-not used by them.
+to torchvision's own pure-torch ``_roi_align``, ``roi_pool``/``ps_roi_*``/``deform_conv2d``
+are not used by them. torchvision wraps that ``_roi_align`` in a lazy ``torch.compile``
+(inductor on its first call: 10-30 s on our CPUs, again for each new mode); ``prepare()``
+puts the plain function back (``__wrapped__``): the same ops, run eagerly.
 """
 
 from __future__ import annotations
@@ -81,7 +83,10 @@ def prepare() -> str | None:
                            types.ModuleType("torchvision._meta_registrations"))
     import torchvision.ops
     import torchvision.ops.boxes
+    import torchvision.ops.roi_align
 
     torchvision.ops.boxes.nms = nms
     torchvision.ops.nms = nms
+    roi_align = sys.modules["torchvision.ops.roi_align"]  # the attribute is the function
+    roi_align._roi_align = getattr(roi_align._roi_align, "__wrapped__", roi_align._roi_align)
     return NMS_STAND_IN
