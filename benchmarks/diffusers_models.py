@@ -125,9 +125,14 @@ def vae_decode_inputs() -> dict[str, torch.Tensor]:
 
 def dit() -> nn.Module:
     from diffusers import DiTTransformer2DModel
-    return DiTTransformer2DModel(num_attention_heads=2, attention_head_dim=16, in_channels=4,
-                                 num_layers=2, sample_size=8, patch_size=2, dropout=0.0,
-                                 num_embeds_ada_norm=1000)
+    from diffusers.models.embeddings import LabelEmbedding
+    model = DiTTransformer2DModel(num_attention_heads=2, attention_head_dim=16, in_channels=4,
+                                  num_layers=2, sample_size=8, patch_size=2, dropout=0.0,
+                                  num_embeds_ada_norm=1000)
+    for m in model.modules():  # classifier-free guidance's label dropout (0.1, not a config
+        if isinstance(m, LabelEmbedding):  # argument): random labels in train mode
+            m.dropout_prob = 0.0
+    return model
 
 
 def dit_inputs() -> dict[str, torch.Tensor]:
@@ -201,40 +206,41 @@ MODELS: dict[str, zoo.Entry] = {
 # -- the time embedder's gradients -----------------------------------------------------------
 
 
-def time_embedder_slices(model: nn.Module) -> list[slice]:
-    """Where the sinusoidal timestep embedder's parameters lie in ``zoo.flat_grads``' vector:
-    diffusers' ``TimestepEmbedding`` modules (``time_embedding``, ``timestep_embedder``)."""
-    from diffusers.models.embeddings import TimestepEmbedding
-    owned = {id(p) for m in model.modules() if isinstance(m, TimestepEmbedding)
-             for p in m.parameters()}
-    out, offset = [], 0
-    for p in model.parameters():
-        if id(p) in owned:
-            out.append(slice(offset, offset + p.numel()))
+def parameter_slices(model: nn.Module) -> dict[str, slice]:
+    """Where each parameter lies in ``zoo.flat_grads``' vector, by name."""
+    out, offset = {}, 0
+    for name, p in model.named_parameters():
+        out[name] = slice(offset, offset + p.numel())
         offset += p.numel()
     return out
 
 
-def time_embedder_cosines(entry: zoo.Entry) -> dict[str, float] | None:
-    """Train-mode gradient cosines vs fp32 of the time embedder's weights alone: O2,
-    autocast, and the bf16 floor (None when the model has no TimestepEmbedding)."""
+def time_embedder_slices(model: nn.Module) -> list[slice]:
+    """Where the sinusoidal timestep embedder's parameters lie in ``zoo.flat_grads``' vector:
+    diffusers' ``TimestepEmbedding`` modules (``time_embedding``, ``timestep_embedder``)."""
+    from diffusers.models.embeddings import TimestepEmbedding
+    where = parameter_slices(model)
+    return [where[f"{path}.{name}" if path else name]
+            for path, m in model.named_modules() if isinstance(m, TimestepEmbedding)
+            for name, _ in m.named_parameters()]
+
+
+def gradient_parts(entry: zoo.Entry) -> dict[str, Any]:
+    """Train-mode gradients vs fp32 part by part, where one flat cosine could hide a module:
+    ``time_embedder``, the cosines of the time embedder's weights alone (O2, autocast, bf16
+    floor; None without a TimestepEmbedding), and ``worst_parameter``, the parameter whose
+    O2 gradient cosine falls furthest below autocast's (parameters whose fp32 gradient is
+    under 1e-6 of the whole's norm left out)."""
     torch.manual_seed(0)
     model = entry.builder()
     inputs = entry.inputs()
-    slices = time_embedder_slices(model)
-    if not slices:
-        return None
-
-    def part(grads: torch.Tensor) -> torch.Tensor:
-        return torch.cat([grads[s] for s in slices])
-
     model.eval()
     with torch.no_grad():
         ref = zoo.logits_of(model(**inputs)).float()
     labels = torch.randint(0, zoo.class_rows(ref).shape[1], (zoo.class_rows(ref).shape[0],),
                            generator=_gen(5))
     model.train()
-    fp32 = part(zoo.train_grads(model, lambda: model(**inputs), labels))
+    fp32 = zoo.train_grads(model, lambda: model(**inputs), labels)
 
     def ac_call() -> Any:
         with zoo.autocast():
@@ -242,12 +248,26 @@ def time_embedder_cosines(entry: zoo.Entry) -> dict[str, float] | None:
 
     with zoo.quiet():
         net = ampgraph.compile(model, amp_level="O2", dtype="bf16").train()
-        o2 = part(zoo.train_grads(model, lambda: net(**inputs), labels))
-    ac = part(zoo.train_grads(model, ac_call, labels))
-    with zoo.bf16_rounded(model, inputs) as rounded:
-        floor = part(zoo.train_grads(model, lambda: model(**rounded), labels))
-    return {"o2": zoo.cosine(o2, fp32), "autocast": zoo.cosine(ac, fp32),
-            "bf16_floor": zoo.cosine(floor, fp32)}
+        o2 = zoo.train_grads(model, lambda: net(**inputs), labels)
+        ac = zoo.train_grads(model, ac_call, labels)
+        with zoo.bf16_rounded(model, inputs) as rounded:
+            floor = zoo.train_grads(model, lambda: model(**rounded), labels)
+    out: dict[str, Any] = {"time_embedder": None}
+    slices = time_embedder_slices(model)
+    if slices:
+        def part(grads: torch.Tensor) -> torch.Tensor:
+            return torch.cat([grads[s] for s in slices])
+        out["time_embedder"] = {k: zoo.cosine(part(g), part(fp32))
+                                for k, g in (("o2", o2), ("autocast", ac), ("bf16_floor", floor))}
+    worst = None
+    for name, s in parameter_slices(model).items():
+        if fp32[s].norm() < 1e-6 * fp32.norm():
+            continue
+        c_o2, c_ac = zoo.cosine(o2[s], fp32[s]), zoo.cosine(ac[s], fp32[s])
+        if worst is None or c_o2 - c_ac < worst["o2"] - worst["autocast"]:
+            worst = {"name": name, "o2": c_o2, "autocast": c_ac}
+    out["worst_parameter"] = worst
+    return out
 
 
 # -- the denoising loop ----------------------------------------------------------------------
@@ -315,10 +335,17 @@ def first_call_seconds(row: dict) -> str:
     return f'{s.get("compile", 0) + s.get("o2_eval", 0):.1f} / {s.get("o2_train", 0):.1f}'
 
 
+def worst_cell(worst: dict | None) -> str:
+    if not worst:
+        return "-"
+    return f'{zoo.fmt(worst["o2"])} / {zoo.fmt(worst["autocast"])} (`{worst["name"]}`)'
+
+
 def table(rows: list[dict]) -> str:
     head = ["model", "class", "capture", "O2 eval cos", "autocast eval cos", "O2 grad cos",
             "autocast grad cos", "bf16 floor eval / grad", "time embedder grad cos: "
-            "O2 / autocast / floor", "capture + first call s: eval / train", "criteria"]
+            "O2 / autocast / floor", "worst parameter grad cos: O2 / autocast",
+            "capture + first call s: eval / train", "criteria"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         te = r.get("time_embedder")
@@ -330,7 +357,7 @@ def table(rows: list[dict]) -> str:
                  f'{zoo.fmt(r.get("bf16_floor_eval_cos"))} / '
                  f'{zoo.fmt(r.get("bf16_floor_grad_cos"))}',
                  " / ".join(zoo.fmt(te[k]) for k in ("o2", "autocast", "bf16_floor"))
-                 if te else "-", first_call_seconds(r),
+                 if te else "-", worst_cell(r.get("worst_parameter")), first_call_seconds(r),
                  "pass" if not ok else "fails: " + ", ".join(ok)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -352,8 +379,10 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         torch.manual_seed(0)
         row = zoo.run_model(name, MODELS[name], skip_onnx=True, skip_speed=True, repeats=0)
-        row["time_embedder"] = zoo.step(row, "time_embedder",
-                                        lambda: time_embedder_cosines(MODELS[name]))
+        parts = zoo.step(row, "gradient_parts",
+                         lambda entry=MODELS[name]: gradient_parts(entry)) or {}
+        row["time_embedder"] = parts.get("time_embedder")
+        row["worst_parameter"] = parts.get("worst_parameter")
         row["total_seconds"] = round(time.perf_counter() - t0, 2)
         rows.append(row)
         print(f"[{name}] {zoo.capture_cell(row)} in {row['total_seconds']} s", file=sys.stderr,
