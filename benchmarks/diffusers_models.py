@@ -16,9 +16,10 @@ for the U-Nets, the VAE and DiT/SD3; (B, tokens, C) for Flux) with fixed random 
 AutoencoderKL is measured twice, through small wrappers: ``encode(x).latent_dist.mean`` and
 ``decode(z).sample``.
 
-The denoising loop: a compiled UNet2DConditionModel in eval mode under DDIMScheduler's
-steps, the timestep a tensor input; it counts ``torch.export`` calls (one expected) and
-compares the final latents with the fp32 loop's.
+The denoising loops: the compiled UNet2DConditionModel under DDIMScheduler's steps and the
+compiled Flux transformer under FlowMatchEulerDiscreteScheduler's, in eval mode, the
+timestep a tensor input; each counts ``torch.export`` calls (one expected) and compares the
+final latents with the fp32 loop's.
 """
 
 from __future__ import annotations
@@ -273,10 +274,9 @@ def gradient_parts(entry: zoo.Entry) -> dict[str, Any]:
 # -- the denoising loop ----------------------------------------------------------------------
 
 
-def denoising_loop(steps: int = 4) -> dict[str, Any]:
-    """A DDIM loop of ``steps`` steps with the compiled UNet2DConditionModel (eval, O2 bf16):
-    how many times ``torch.export`` ran (the timestep is a tensor input: one capture serves
-    every step), the timesteps, and the final latents' cosine with the fp32 loop's."""
+def unet_ddim_step(steps: int) -> tuple[nn.Module, Callable[[Callable[..., Any]], tuple]]:
+    """The UNet2DConditionModel and a DDIM loop of ``steps`` steps over it (0-d int64
+    timesteps, the way pipelines pass them)."""
     from diffusers import DDIMScheduler
 
     torch.manual_seed(0)
@@ -284,24 +284,56 @@ def denoising_loop(steps: int = 4) -> dict[str, Any]:
     text = torch.randn(BATCH, TEXT, 32, generator=_gen(3))
     start = torch.randn(BATCH, 4, 16, 16, generator=_gen(2))
 
-    def run(model: Callable[..., Any]) -> tuple[torch.Tensor, list[int]]:
+    def run(model: Callable[..., Any]) -> tuple[torch.Tensor, list[float]]:
         scheduler = DDIMScheduler(num_train_timesteps=1000)
         scheduler.set_timesteps(steps)
         latents, seen = start.clone(), []
-        with torch.no_grad():
-            for t in scheduler.timesteps:
-                seen.append(int(t))
-                noise = model(latents, t, encoder_hidden_states=text).sample
-                latents = scheduler.step(noise, t, latents).prev_sample
+        for t in scheduler.timesteps:
+            seen.append(round(float(t), 3))
+            noise = model(latents, t, encoder_hidden_states=text).sample
+            latents = scheduler.step(noise, t, latents).prev_sample
         return latents, seen
+    return unet, run
 
-    exports = count_exports()
-    with exports, zoo.quiet():
-        net = ampgraph.compile(unet, amp_level="O2", dtype="bf16").eval()
+
+def flux_flow_match(steps: int) -> tuple[nn.Module, Callable[[Callable[..., Any]], tuple]]:
+    """The Flux transformer and a FlowMatchEulerDiscreteScheduler loop of ``steps`` steps
+    (float timesteps: sigma times 1000; Flux takes sigma)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    torch.manual_seed(0)
+    model = flux().eval()
+    inputs = flux_inputs()
+
+    def run(net: Callable[..., Any]) -> tuple[torch.Tensor, list[float]]:
+        scheduler = FlowMatchEulerDiscreteScheduler()
+        scheduler.set_timesteps(steps)
+        latents, seen = inputs["hidden_states"].clone(), []
+        for t in scheduler.timesteps:
+            seen.append(round(float(t), 3))
+            noise = net(**{**inputs, "hidden_states": latents,
+                           "timestep": (t / 1000).expand(BATCH)}).sample
+            latents = scheduler.step(noise, t, latents).prev_sample
+        return latents, seen
+    return model, run
+
+
+LOOPS = {"UNet2DConditionModel + DDIMScheduler": unet_ddim_step,
+         "FluxTransformer2DModel + FlowMatchEulerDiscreteScheduler": flux_flow_match}
+
+
+def denoising_loop(make: Callable[[int], tuple], steps: int = 4) -> dict[str, Any]:
+    """A scheduler loop of ``steps`` steps with the compiled model (eval, O2 bf16): how many
+    times ``torch.export`` ran (the timestep is a tensor input: one capture serves every
+    step), the timesteps, and the final latents' cosine with the fp32 loop's."""
+    model, run = make(steps)
+    with count_exports() as exports, zoo.quiet(), torch.no_grad():
+        net = ampgraph.compile(model, amp_level="O2", dtype="bf16").eval()
         t0 = time.perf_counter()
         ours, seen = run(net)
         seconds = time.perf_counter() - t0
-    ref, _ = run(unet)
+    with torch.no_grad():
+        ref, _ = run(model)
     return {"steps": steps, "timesteps": seen, "captures": exports.count,
             "capture": zoo.describe_capture(net)["status"],
             "latents_cos": zoo.cosine(ours, ref), "seconds": round(seconds, 2)}
@@ -392,12 +424,14 @@ def main(argv: list[str] | None = None) -> int:
     more = zoo.details(rows)
     if more:
         print("\n" + more)
-    loop = None
+    loops = {}
     if not args.skip_loop:
-        loop = denoising_loop()
-        print(f"\ndenoising loop (UNet2DConditionModel, DDIMScheduler, {loop['steps']} steps, "
-              f"timesteps {loop['timesteps']}): {loop['captures']} capture(s), "
-              f"{loop['capture']}, final latents cos vs fp32 {loop['latents_cos']:.5f}")
+        print()
+        for what, make in LOOPS.items():
+            loop = loops[what] = denoising_loop(make)
+            print(f"denoising loop, {what}, {loop['steps']} steps (timesteps "
+                  f"{loop['timesteps']}): {loop['captures']} capture(s), {loop['capture']}, "
+                  f"final latents cos vs fp32 {loop['latents_cos']:.5f}")
     if args.json:
         meta = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
                 "command": " ".join(["python", "benchmarks/diffusers_models.py",
@@ -407,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
             row["criteria"] = zoo.criteria(row)
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "summary": zoo.summary(rows), "models": rows,
-                       "denoising_loop": loop}, f, indent=2, default=str)
+                       "denoising_loops": loops}, f, indent=2, default=str)
     return 0
 
 
