@@ -32,7 +32,7 @@ from ampgraph.capture import (
     share_state,
     signature_of,
 )
-from ampgraph.capture.fallback import EagerPart, compiled_children, eager_plan
+from ampgraph.capture.fallback import EagerPart, compiled_children, eager_plan, follow_modes
 from ampgraph.capture.generate import route_method
 from ampgraph.capture.state import AUTOCAST_DEVICES
 from ampgraph.compiled_class import compiled_class
@@ -256,7 +256,7 @@ class AmpModule(nn.Module):
                 return self._run(*args, **kwargs)
         compiled = self.compiled_for(args, kwargs)
         if compiled is None:  # eager for good, or for these input shapes (compiled_for)
-            eager = self._amp_eager
+            eager = follow_modes(self._amp_eager)  # the user may have switched the model
             return (eager if eager is not None else self._amp_model)(*args, **kwargs)
         flat = compiled.runner(tuple(args), dict(kwargs))
         return compiled.captured.rebuild(flat, args, kwargs)

@@ -17,6 +17,7 @@ from typing import TypeVar
 from torch import nn
 
 M = TypeVar("M", bound=nn.Module)
+_COPIES = "_amp_plan_copies"  # a plan's (copy, original) pairs: its root's and containers'
 
 
 @dataclass
@@ -42,6 +43,7 @@ def eager_plan(model: nn.Module, path: str,
         True
     """
     plan = copy.copy(model)
+    copies = [(plan, model)]  # what follow_modes keeps in the model's train/eval mode
     children: OrderedDict[str, nn.Module | None] = OrderedDict()
     for name, child in model._modules.items():
         sub = f"{path}.{name}" if path else name
@@ -49,9 +51,25 @@ def eager_plan(model: nn.Module, path: str,
             children[name] = None
         elif type(child).forward is nn.Module.forward:
             children[name] = eager_plan(child, sub, compile_child)
+            copies += children[name].__dict__.pop(_COPIES)
         else:
             children[name] = compile_child(child, sub)
     plan.__dict__["_modules"] = children
+    plan.__dict__[_COPIES] = copies
+    return plan
+
+
+def follow_modes(plan: M | None) -> M | None:
+    """``plan`` (None passes), each module it copied in the train/eval mode of its original
+    now: the user may switch the model (``model.train()``) rather than the compiled module.
+
+    Example:
+        >>> model.train(); follow_modes(plan).training  # doctest: +SKIP
+        True
+    """
+    if plan is not None:
+        for copied, original in plan.__dict__[_COPIES]:
+            copied.training = original.training
     return plan
 
 

@@ -303,3 +303,33 @@ def test_a_fallback_part_without_a_matrix_op_runs_fp32_beside_a_low_linear():
     rows = {r["module"]: r for r in ampgraph.explain(net).nodes if r["op"].startswith("aten.floor")}
     assert rows["scale"]["precision"] == "fp32"
     assert "eager fallback part without a matrix product" in rows["scale"]["reason"]
+
+
+class ModeDependent(DataDependent):
+    """Returns a loss in train mode and outputs in eval mode, as torchvision's detectors."""
+
+    def forward(self, x):
+        out = super().forward(x)
+        return {"loss": out.square().mean()} if self.training else out
+
+
+def test_the_eager_code_follows_the_model_switched_after_the_fallback():
+    torch.manual_seed(0)
+    model = ModeDependent().eval()
+    net = ampgraph.compile(model, "O2", "bf16")
+    x = torch.randn(5, 8)
+    with pytest.warns(UserWarning, match="could not be captured whole"), torch.no_grad():
+        assert isinstance(net(x), torch.Tensor)
+    model.train()  # the user's model, not the compiled module
+    out = net(x)
+    assert isinstance(out, dict), "the eager plan still ran in eval mode"
+    out["loss"].backward()
+    assert model.embed.weight.grad is not None
+    model.eval()
+    with torch.no_grad():
+        assert isinstance(net(x), torch.Tensor)
+    for nested in (model.blocks, model.blocks[0]):
+        nested.train()  # only a part of the model switched: the other parts keep their mode
+    with torch.no_grad():
+        net(x)
+    assert model.blocks[0].training and not model.training and not model.head.training
