@@ -20,6 +20,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._pytree import tree_flatten
 
 from ampgraph.capture.checkpoints import marked_checkpoints
+from ampgraph.capture.data_reads import traced_data_reads
 from ampgraph.capture.dynamic_dims import dynamic_spec, image_channels
 from ampgraph.capture.hf_caches import register_hf_caches
 from ampgraph.capture.state import preserved_global_state
@@ -199,8 +200,10 @@ def export_module(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
     inputs, changed = exportable_inputs((tuple(args), dict(kwargs)))
     check_exportable(*inputs)
     root = ExportRoot(model, changed)
-    # checkpointed calls leave their regions marked (export would inline them unmarked)
-    with preserved_global_state(), quiet_export_logs(), marked_checkpoints():
+    # checkpointed calls leave their regions marked (export would inline them unmarked);
+    # a write through a parameter's .data is traced (capture/data_reads.py)
+    with (preserved_global_state(), quiet_export_logs(), marked_checkpoints(),
+          traced_data_reads()):
         ep = torch.export.export(root, inputs, strict=False,
                                  dynamic_shapes=dynamic_spec(inputs, image_channels(model)))
     gm = ep.module()

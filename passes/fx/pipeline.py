@@ -44,6 +44,7 @@ from passes.fx.routing.weight_casts import route_weight_casts
 from passes.fx.runtime_ops import ATEN_ONLY, RuntimeOps
 from passes.fx.verify import verify
 from passes.fx.weight_groups import group_weight_casts
+from passes.fx.written_views import mark_written_views
 from passes.paint import Decision, paint
 from passes.policy import LevelPolicy
 
@@ -177,6 +178,7 @@ def amp_passes(
     ]
     if low in (torch.float16, torch.bfloat16) and policy.level != "O0":
         passes.append(named("mark_range_hazards", _mark_range_hazards, state, low))
+        passes.append(named("mark_written_views", _mark_written_views, state))
         if calibrated:
             passes.append(named("force_calibrated", _force_calibrated, state))
         if policy.level != "O3":
@@ -248,6 +250,11 @@ def _build_dataflow(gm: fx.GraphModule, state: PipelineState) -> PassResult:
 
 def _mark_range_hazards(gm: fx.GraphModule, state: PipelineState, low: torch.dtype) -> PassResult:
     mark_range_hazards(state.dataflow, gm, low)
+    return PassResult(gm, False)
+
+
+def _mark_written_views(gm: fx.GraphModule, state: PipelineState) -> PassResult:
+    mark_written_views(state.dataflow, gm)
     return PassResult(gm, False)
 
 
