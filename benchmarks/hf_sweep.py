@@ -102,9 +102,25 @@ def architectures(kinds: list[str]) -> list[tuple[str, str, str]]:
 # -- one architecture (in its own process) -----------------------------------------------
 
 
-def measure(arch: str, kind: str, class_name: str, save: Callable[[dict], None]) -> dict:
+def hf_model(arch: str, kind: str, class_name: str) -> tuple[nn.Module, dict]:
+    """The tiny random model of a transformers architecture and its inputs (hf_tiny)."""
+    return build(arch, kind, class_name)
+
+
+def hf_build_failed(arch: str, class_name: str, exc: Exception) -> str:
+    """Why an architecture whose tiny model does not build is listed apart."""
+    default = default_fails(arch, class_name)
+    return (f"build failed: {one_line(exc)}" if default is None else
+            f"the default config does not build either: {default}")
+
+
+def measure(arch: str, kind: str, class_name: str, save: Callable[[dict], None],
+            make: Callable[[str, str, str], tuple[nn.Module, dict]] = hf_model,
+            build_failed: Callable[[str, str, Exception], str] = hf_build_failed) -> dict:
     """Every measurement of one architecture; ``save(row)`` after each stage, so a killed
-    worker leaves what it had."""
+    worker leaves what it had. ``make(arch, kind, class_name)`` builds the fp32 model and its
+    keyword inputs; when it raises, ``build_failed(arch, class_name, exc)`` says why the row
+    is listed apart (benchmarks/timm_sweep.py passes its own)."""
     row: dict[str, Any] = {"arch": arch, "kind": kind, "class": class_name, "status": "running",
                            "stage": "build", "errors": {}, "notes": [], "seconds": {}}
 
@@ -117,12 +133,10 @@ def measure(arch: str, kind: str, class_name: str, save: Callable[[dict], None])
     t0 = time.perf_counter()
     try:
         with quiet():
-            model, inputs = build(arch, kind, class_name)
+            model, inputs = make(arch, kind, class_name)
     except Exception as exc:  # noqa: BLE001 - a row, not a crash
         row["errors"]["build"] = one_line(exc)
-        default = default_fails(arch, class_name)
-        return apart(f"build failed: {one_line(exc)}" if default is None else
-                     f"the default config does not build either: {default}")
+        return apart(build_failed(arch, class_name, exc))
     row["class"] = type(model).__name__
     row["seconds"]["build"] = round(time.perf_counter() - t0, 2)
     row["params"] = sum(p.numel() for p in model.parameters())
@@ -306,25 +320,29 @@ def worker(args: argparse.Namespace) -> int:
 
     hf_logging.set_verbosity_error()
     arch, kind, class_name = args.worker.split(":")
-
-    def save(row: dict) -> None:
-        tmp = args.row + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(row, f, default=str)
-        os.replace(tmp, args.row)
-
-    measure(arch, kind, class_name, save)
+    measure(arch, kind, class_name, row_saver(args.row))
     return 0
+
+
+def row_saver(path: str) -> Callable[[dict], None]:
+    """A worker's ``save(row)``: the row as JSON at ``path``, replaced whole each time."""
+    def save(row: dict) -> None:
+        with open(path + ".tmp", "w") as f:
+            json.dump(row, f, default=str)
+        os.replace(path + ".tmp", path)
+    return save
 
 
 # -- the driver --------------------------------------------------------------------------
 
 
-def run_one(arch: str, kind: str, class_name: str, timeout: float, threads: int) -> dict:
-    """One architecture in a subprocess; on timeout or crash, its last saved row."""
+def run_one(arch: str, kind: str, class_name: str, timeout: float, threads: int,
+            script: str = __file__) -> dict:
+    """One architecture in a subprocess (``script --worker arch:kind:class``); on timeout or
+    crash, its last saved row."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "row.json")
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker",
+        cmd = [sys.executable, os.path.abspath(script), "--worker",
                f"{arch}:{kind}:{class_name}", "--row", path, "--threads", str(threads)]
         t0 = time.perf_counter()
         rc, tail = None, ""
@@ -405,11 +423,8 @@ def summary(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", help="comma-separated model types (e.g. bert,gpt2,vit)")
-    parser.add_argument("--kinds", default=",".join(KINDS),
-                        help=f"comma-separated, of {','.join(KINDS)} (default: all)")
+def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options every sweep shares (this one and benchmarks/timm_sweep.py)."""
     parser.add_argument("--limit", type=int, help="the first N architectures only")
     parser.add_argument("--jobs", type=int, default=1, help="architectures run at once")
     parser.add_argument("--timeout", type=float, default=TIMEOUT_S,
@@ -424,29 +439,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--row", help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
                         help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.worker:
-        return worker(args)
-    if args.report:
-        last: dict[str, dict] = {}
-        for path in args.report:
-            with open(path) as f:
-                for r in map(json.loads, f):
-                    if r["record"] == "architecture":
-                        last[r["arch"]] = r  # in the first file's order
-        return report(list(last.values()), args.markdown)
 
-    kinds = args.kinds.split(",")
-    if set(kinds) - set(KINDS):
-        parser.error(f"unknown kinds {sorted(set(kinds) - set(KINDS))}; known: {list(KINDS)}")
-    todo = architectures(kinds)
-    if args.only:
-        only = args.only.split(",")
-        known = {a for a, _, _ in todo}
-        if set(only) - known:
-            parser.error(f"not an architecture of {kinds}: {sorted(set(only) - known)}")
-        todo = [t for t in todo if t[0] in only]
-    todo = todo[:args.limit] if args.limit else todo
+
+def read_rows(paths: list[str]) -> list[dict]:
+    """The architecture rows of --json files, an architecture's last row winning, in the
+    order they first appear."""
+    last: dict[str, dict] = {}
+    for path in paths:
+        with open(path) as f:
+            for r in map(json.loads, f):
+                if r["record"] == "architecture":
+                    last[r["arch"]] = r
+    return list(last.values())
+
+
+def sweep(todo: list[tuple[str, str, str]], args: argparse.Namespace, meta: dict,
+          script: str = __file__) -> list[dict]:
+    """Run every (arch, kind, class) of ``todo``, ``args.jobs`` at once, each in its own
+    process of ``script``; rows to ``args.json`` as they finish (after a ``meta`` record),
+    then a summary record. The rows, in ``todo``'s order."""
     threads = max(1, (os.cpu_count() or 1) // max(1, args.jobs))
     out = open(args.json, "w") if args.json else None  # noqa: SIM115 - written line by line
     lock = threading.Lock()
@@ -458,13 +469,11 @@ def main(argv: list[str] | None = None) -> int:
                 out.flush()
 
     write({"record": "meta", "date": datetime.date.today().isoformat(),
-           "torch": torch.__version__, "transformers": __import__("transformers").__version__,
-           "command": " ".join(["python", "benchmarks/hf_sweep.py",
-                                *(sys.argv[1:] if argv is None else argv)]),
-           "architectures": len(todo), "timeout_s": args.timeout, "jobs": args.jobs})
+           "torch": torch.__version__, **meta, "architectures": len(todo),
+           "timeout_s": args.timeout, "jobs": args.jobs})
     rows = []
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        futures = [pool.submit(run_one, *t, args.timeout, threads) for t in todo]
+        futures = [pool.submit(run_one, *t, args.timeout, threads, script) for t in todo]
         for fut in as_completed(futures):
             row = fut.result()
             rows.append(row)
@@ -478,7 +487,36 @@ def main(argv: list[str] | None = None) -> int:
     write({"record": "summary", "text": summary(rows)})
     if out is not None:
         out.close()
-    return report(rows, args.markdown)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", help="comma-separated model types (e.g. bert,gpt2,vit)")
+    parser.add_argument("--kinds", default=",".join(KINDS),
+                        help=f"comma-separated, of {','.join(KINDS)} (default: all)")
+    add_sweep_arguments(parser)
+    args = parser.parse_args(argv)
+    if args.worker:
+        return worker(args)
+    if args.report:
+        return report(read_rows(args.report), args.markdown)
+
+    kinds = args.kinds.split(",")
+    if set(kinds) - set(KINDS):
+        parser.error(f"unknown kinds {sorted(set(kinds) - set(KINDS))}; known: {list(KINDS)}")
+    todo = architectures(kinds)
+    if args.only:
+        only = args.only.split(",")
+        known = {a for a, _, _ in todo}
+        if set(only) - known:
+            parser.error(f"not an architecture of {kinds}: {sorted(set(only) - known)}")
+        todo = [t for t in todo if t[0] in only]
+    todo = todo[:args.limit] if args.limit else todo
+    meta = {"transformers": __import__("transformers").__version__,
+            "command": " ".join(["python", "benchmarks/hf_sweep.py",
+                                 *(sys.argv[1:] if argv is None else argv)])}
+    return report(sweep(todo, args, meta), args.markdown)
 
 
 def report(rows: list[dict], markdown: str | None) -> int:
