@@ -98,7 +98,8 @@ def test_flux_gradients_and_its_time_embedders_agree_with_fp32_as_autocast():
     net = ampgraph.compile(model, amp_level="O2", dtype="bf16").train()
     o2 = zoo.train_grads(model, lambda: net(**inputs), labels)
     assert zoo.describe_capture(net)["status"] == "whole graph"
-    assert zoo.cosine(o2, fp32) >= zoo.cosine(ac, fp32) - 0.001
+    whole = zoo.cosine(o2, fp32), zoo.cosine(ac, fp32)
+    assert whole[0] >= whole[1] - 0.001, whole
 
     def embedder(g: torch.Tensor) -> torch.Tensor:
         return torch.cat([g[s] for s in part])
@@ -108,11 +109,16 @@ def test_flux_gradients_and_its_time_embedders_agree_with_fp32_as_autocast():
 
 
 class RoundTrip(torch.nn.Module):
-    """``vae.decode(vae.encode(x).latent_dist.mean).sample``: both halves in one graph."""
+    """``vae.decode(vae.encode(x).latent_dist.mean).sample`` of a one-block AutoencoderKL
+    (its mid blocks' attention included): both halves in one graph."""
 
     def __init__(self):
         super().__init__()
-        self.vae = dm.autoencoder_kl()
+        from diffusers import AutoencoderKL
+        self.vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=4,
+                                 down_block_types=("DownEncoderBlock2D",),
+                                 up_block_types=("UpDecoderBlock2D",), block_out_channels=(16,),
+                                 layers_per_block=1, norm_num_groups=8, sample_size=8)
 
     def forward(self, sample: torch.Tensor) -> torch.Tensor:
         return self.vae.decode(self.vae.encode(sample).latent_dist.mean).sample
@@ -120,7 +126,7 @@ class RoundTrip(torch.nn.Module):
 
 def test_autoencoder_kl_encode_and_decode_whole_graph_in_eval():
     torch.manual_seed(0)
-    model, x = RoundTrip().eval(), dm.vae_encode_inputs()
+    model, x = RoundTrip().eval(), {"sample": torch.randn(2, 3, 8, 8)}
     with torch.no_grad():
         ref = model(**x)
         with zoo.autocast():
