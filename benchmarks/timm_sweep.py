@@ -62,20 +62,21 @@ def select(families: dict[str, list[str]], params: dict[str, int | None],
            max_params: int = MAX_PARAMS) -> list[tuple[str, str, str]]:
     """(name, family, "-") per sub-architecture: the smallest name of each ``stem`` group of
     each family (unknown sizes last, then shorter names), the family's smallest group
-    always, the others up to ``max_params``; in family order, then by size."""
+    always, the others up to ``max_params``. Every family's smallest comes first, then the
+    others, each part smallest first: a sweep cut short has covered every family."""
     def size(name: str) -> tuple[float, int, str]:
         n = params.get(name)
         return (float("inf") if n is None else n, len(name), name)
 
-    todo = []
+    firsts, others = [], []
     for family, names in families.items():
         groups = collections.defaultdict(list)
         for name in names:
             groups[stem(name)].append(name)
         picks = sorted((min(group, key=size) for group in groups.values()), key=size)
-        todo += [(name, family, "-") for i, name in enumerate(picks)
-                 if i == 0 or size(name)[0] <= max_params]
-    return todo
+        firsts.append((picks[0], family, "-"))
+        others += [(name, family, "-") for name in picks[1:] if size(name)[0] <= max_params]
+    return sorted(firsts, key=lambda t: size(t[0])) + sorted(others, key=lambda t: size(t[0]))
 
 
 def timm_families(only_families: list[str] | None = None) -> dict[str, list[str]]:
