@@ -1,6 +1,6 @@
 """diffusers' models from small configs through ampgraph O2 (bf16), measured as the zoo measures.
 
-    python benchmarks/diffusers_models.py                      # every model + the denoising loop
+    python benchmarks/diffusers_models.py                      # every model + the denoising loops
     python benchmarks/diffusers_models.py --models flux,sd3 --json diffusers.json
 
 Nothing is downloaded: each model is built with random weights from a small config (widths
@@ -8,8 +8,9 @@ Nothing is downloaded: each model is built with random weights from a small conf
 own measurement (``benchmarks/zoo.py``'s ``run_model``, imported, not copied; docs/zoo.md
 "What each column is"): capture in eval and train mode, O2 eval cosine vs fp32 beside
 autocast's, train-mode gradient cosines beside autocast's, the bf16 floor; plus the seconds
-of capture and first call, and for the models with a sinusoidal timestep embedding the
-cosine of the time embedder's weight gradients alone (issue 40, item 7).
+of capture and first call, the gradient cosines of the time embedder's weights alone (issue
+40, item 7) and of the parameter where O2 is furthest below autocast, and five AdamW steps
+of ``ampgraph.build_train_step`` (an MSE on a fixed random target) against fp32's.
 
 The loss is the zoo's: cross-entropy over the output's channels (``.sample``: (B, C, H, W)
 for the U-Nets, the VAE and DiT/SD3; (B, tokens, C) for Flux) with fixed random labels.
@@ -271,6 +272,48 @@ def gradient_parts(entry: zoo.Entry) -> dict[str, Any]:
     return out
 
 
+def train_steps(entry: zoo.Entry, steps: int = 5) -> dict[str, Any]:
+    """``steps`` AdamW steps (lr 1e-3) on an MSE against a fixed random target, from the same
+    weights: fp32, autocast, and ``ampgraph.build_train_step`` (O2 bf16). Returns each
+    one's losses and the cosine of its total parameter update with fp32's."""
+    import copy
+
+    torch.manual_seed(0)
+    base = entry.builder().train()
+    inputs = entry.inputs()
+    with torch.no_grad():
+        target = torch.randn(zoo.logits_of(base(**inputs)).shape, generator=_gen(13))
+
+    def mse(out: Any, t: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(zoo.logits_of(out).float(), t)
+
+    def flat(model: nn.Module) -> torch.Tensor:
+        return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    start, out = flat(base), {}
+    for mode in ("fp32", "autocast", "O2"):
+        model = copy.deepcopy(base)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses = []
+        if mode == "O2":
+            with zoo.quiet():
+                step = ampgraph.build_train_step(model, mse, opt, amp_level="O2", dtype="bf16")
+                losses = [float(step(target, **inputs).loss) for _ in range(steps)]
+        else:
+            for _ in range(steps):
+                opt.zero_grad(set_to_none=True)
+                with torch.autocast("cpu", torch.bfloat16, enabled=mode == "autocast"):
+                    output = model(**inputs)
+                loss = mse(output, target)
+                loss.backward()
+                opt.step()
+                losses.append(float(loss))
+        out[mode] = {"losses": losses, "update": flat(model) - start}
+    return {"steps": steps, "losses": {k: v["losses"] for k, v in out.items()},
+            "update_cos": {k: zoo.cosine(out[k]["update"], out["fp32"]["update"])
+                           for k in ("O2", "autocast")}}
+
+
 # -- the denoising loop ----------------------------------------------------------------------
 
 
@@ -373,10 +416,18 @@ def worst_cell(worst: dict | None) -> str:
     return f'{zoo.fmt(worst["o2"])} / {zoo.fmt(worst["autocast"])} (`{worst["name"]}`)'
 
 
+def steps_cell(steps: dict | None) -> str:
+    if not steps:
+        return "-"
+    cos = steps["update_cos"]
+    return f'{zoo.fmt(cos["O2"])} / {zoo.fmt(cos["autocast"])}'
+
+
 def table(rows: list[dict]) -> str:
     head = ["model", "class", "capture", "O2 eval cos", "autocast eval cos", "O2 grad cos",
             "autocast grad cos", "bf16 floor eval / grad", "time embedder grad cos: "
             "O2 / autocast / floor", "worst parameter grad cos: O2 / autocast",
+            "5 AdamW steps: update cos O2 / autocast",
             "capture + first call s: eval / train", "criteria"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
@@ -389,7 +440,8 @@ def table(rows: list[dict]) -> str:
                  f'{zoo.fmt(r.get("bf16_floor_eval_cos"))} / '
                  f'{zoo.fmt(r.get("bf16_floor_grad_cos"))}',
                  " / ".join(zoo.fmt(te[k]) for k in ("o2", "autocast", "bf16_floor"))
-                 if te else "-", worst_cell(r.get("worst_parameter")), first_call_seconds(r),
+                 if te else "-", worst_cell(r.get("worst_parameter")),
+                 steps_cell(r.get("train_steps")), first_call_seconds(r),
                  "pass" if not ok else "fails: " + ", ".join(ok)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -415,6 +467,8 @@ def main(argv: list[str] | None = None) -> int:
                          lambda entry=MODELS[name]: gradient_parts(entry)) or {}
         row["time_embedder"] = parts.get("time_embedder")
         row["worst_parameter"] = parts.get("worst_parameter")
+        row["train_steps"] = zoo.step(row, "train_steps",
+                                      lambda entry=MODELS[name]: train_steps(entry))
         row["total_seconds"] = round(time.perf_counter() - t0, 2)
         rows.append(row)
         print(f"[{name}] {zoo.capture_cell(row)} in {row['total_seconds']} s", file=sys.stderr,
