@@ -6,15 +6,23 @@ padding to whole windows, window partitions, patch merging) give sympy nested fl
 divisions and remainders to simplify at every reshape, and export of a two-stage Swin took
 over a minute where a static one takes half a second
 (docs/performance.md#compile-time). An image of another size is captured again.
+
+A model whose shape arithmetic goes through tensors (Longformer's
+``torch.div(x.size(1), 2 * w, rounding_mode="trunc")`` as a ``view`` size) makes export
+read a symbolic size back from a tensor as an unbacked value it cannot guard on
+(``8*u1 < 16``); with static sizes the arithmetic is on plain ints. :func:`static_retry`
+tells such an error apart from a guard on the data itself.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
 from torch import nn
 from torch.export import Dim
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils import _pytree as pytree
 
 from ampgraph.capture.structure import BUILTIN_NODE_TYPES
@@ -85,3 +93,25 @@ def dynamic_spec(inputs: Any, images: frozenset[tuple[int, int]] = frozenset()) 
         return spec(inputs)
     args, kwargs = inputs
     return (tuple(argument(a) for a in args), {k: argument(v) for k, v in kwargs.items()})
+
+
+# the guard torch could not decide, unhinted: with the inputs' size symbols (s0, s27 ...)
+_UNHINTED = re.compile(r"\(unhinted: (.*?)\)\.  \(Size-like symbols", re.S)
+_SIZE_SYMBOL = re.compile(r"\bs\d+\b")
+
+
+def static_retry(exc: Exception) -> bool:
+    """Whether export, which failed with ``exc`` on dynamic sizes, may succeed on static
+    ones: a data-dependent guard whose unhinted condition involves an input size (a size
+    that went through a tensor and came back unbacked), not one on data alone
+    (``Eq(u0, 0)``: a branch on a count of ``nonzero()`` hits).
+
+    Example:
+        >>> static_retry(GuardOnDataDependentSymNode(cond, "... 8*u1 < 16 (unhinted: "
+        ...              "8*u1 < s27 + (Mod(8 - (Mod(s27, 8)), 8))).  (Size-like symbols: none)"))
+        True
+    """
+    if not isinstance(exc, GuardOnDataDependentSymNode):
+        return False
+    found = _UNHINTED.search(str(exc))
+    return found is not None and _SIZE_SYMBOL.search(found.group(1)) is not None

@@ -21,9 +21,9 @@ from torch.utils._pytree import tree_flatten
 
 from ampgraph.capture.checkpoints import marked_checkpoints
 from ampgraph.capture.data_reads import traced_data_reads
-from ampgraph.capture.dynamic_dims import dynamic_spec, image_channels
+from ampgraph.capture.dynamic_dims import dynamic_spec, image_channels, static_retry
 from ampgraph.capture.hf_caches import register_hf_caches
-from ampgraph.capture.state import preserved_global_state
+from ampgraph.capture.state import clear_dim_marks, preserved_global_state, unmarked_dims
 from ampgraph.capture.structure import (
     Flattener,
     assign_contents,
@@ -202,10 +202,17 @@ def export_module(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
     root = ExportRoot(model, changed)
     # checkpointed calls leave their regions marked (export would inline them unmarked);
     # a write through a parameter's .data is traced (capture/data_reads.py)
+    tensors = [t for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor)]
     with (preserved_global_state(), quiet_export_logs(), marked_checkpoints(),
-          traced_data_reads()):
-        ep = torch.export.export(root, inputs, strict=False,
-                                 dynamic_shapes=dynamic_spec(inputs, image_channels(model)))
+          traced_data_reads(), unmarked_dims(tensors)):
+        try:
+            ep = torch.export.export(root, inputs, strict=False,
+                                     dynamic_shapes=dynamic_spec(inputs, image_channels(model)))
+        except Exception as exc:
+            if not static_retry(exc):
+                raise
+            clear_dim_marks(tensors)  # else the failed export's marks make them dynamic
+            ep = torch.export.export(root, inputs, strict=False)  # sizes through tensors
     gm = ep.module()
     # The unlifted module checks its inputs' structure and shapes in a forward pre-hook
     # (docs/performance.md#graph-overhead-on-small-models). AmpModule already keys graphs on the

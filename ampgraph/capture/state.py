@@ -1,6 +1,7 @@
 """Capture leaves the process as it found it: grad and inference mode, autocast, the default
 dtype, torch function/dispatch mode stacks and RNG are restored whether export succeeds or
-fails (``preserved_global_state``)."""
+fails (``preserved_global_state``), and the input tensors lose the dimension marks export
+leaves on them (``unmarked_dims``)."""
 
 
 from __future__ import annotations
@@ -115,3 +116,39 @@ def _run_all(steps: Iterable[Callable[[], object]]) -> None:
             first.add_note(f"restoring the global state also failed: "
                            f"{type(other).__name__}: {other}")
         raise first
+
+
+# what torch.export writes on the input tensors it makes dynamic (torch._export's
+# _clean_dynamic_markers deletes them only after a successful non-strict export)
+DIM_MARKS = ("_dynamo_weak_dynamic_indices", "_dynamo_dynamic_indices", "_dynamo_dynamic_range",
+             "_dynamo_static_indices", "_dynamo_unbacked_indices",
+             "_dynamo_propagated_dynamic_indices", "_has_dynamo_dim_marking")
+
+
+def clear_dim_marks(tensors: Iterable[torch.Tensor]) -> None:
+    """Delete the dimension marks torch.export put on ``tensors``: after a failed export
+    they stay, and the next export of the same tensors (static sizes, or an eager
+    fallback's child given an input passed down) makes those dimensions dynamic again.
+
+    Example:
+        >>> clear_dim_marks([x])
+    """
+    for t in tensors:
+        for attr in DIM_MARKS:
+            if attr in t.__dict__:
+                delattr(t, attr)
+
+
+@contextlib.contextmanager
+def unmarked_dims(tensors: Iterable[torch.Tensor]) -> Iterator[None]:
+    """:func:`clear_dim_marks` on ``tensors`` when the body returns or raises.
+
+    Example:
+        >>> with unmarked_dims(leaves):
+        ...     torch.export.export(model, args, dynamic_shapes=spec, strict=False)
+    """
+    tensors = list(tensors)
+    try:
+        yield
+    finally:
+        clear_dim_marks(tensors)

@@ -3,13 +3,14 @@ static past its batch)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 from torch.export import Dim
 from torch.utils import _pytree as pytree
 
 import ampgraph
-from ampgraph.capture.dynamic_dims import dynamic_spec, image_channels, is_image
+from ampgraph.capture.dynamic_dims import dynamic_spec, image_channels, is_image, static_retry
 from ampgraph.capture.export import export_module
 from tests.helpers import cosine
 
@@ -107,3 +108,37 @@ def test_dynamic_spec_of_a_registered_node_is_the_sequence_its_flatten_returns()
         pytree._deregister_pytree_node(Pair)
     assert spec[0][0] == ({0: Dim.AUTO}, None) and type(spec[0][0]) is tuple
     assert len(captured.dims) == 1 and not isinstance(captured.dims[0][0], int)
+
+
+def test_static_retry_is_for_guards_on_sizes_not_on_data():
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    def error(text: str) -> GuardOnDataDependentSymNode:
+        return GuardOnDataDependentSymNode(None, f"Could not guard on data-dependent "
+                                                 f"expression {text}.  (Size-like symbols: "
+                                                 "none)\n\nconsider ...")
+    assert static_retry(error("8*u1 < 16 (unhinted: 8*u1 < s27 + (Mod(8 - (Mod(s27, 8)), 8)))"))
+    assert not static_retry(error("Eq(u0, 0) (unhinted: Eq(u0, 0))"))
+    assert not static_retry(RuntimeError("8*u1 < 16 (unhinted: 8*u1 < s27).  (Size-like symbols"))
+
+
+def test_window_sizes_computed_through_tensors_are_captured_with_static_sizes():
+    """Longformer's sliding-window attention chunks with ``torch.div(size, 2w)`` as a view
+    size: on dynamic sizes export fails (``8*u1 < 16``) and the module ran eagerly."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.longformer.modeling_longformer import LongformerSelfAttention
+
+    cfg = transformers.LongformerConfig(hidden_size=32, num_attention_heads=2,
+                                        attention_window=[8])
+    torch.manual_seed(0)
+    attn = LongformerSelfAttention(cfg, layer_id=0).eval()
+    net = ampgraph.compile(attn, amp_level="O2", dtype="bf16")
+    x = torch.randn(2, 16, 32)
+    mask = torch.zeros(2, 1, 1, 16)[:, 0, 0, :]  # a view, as LongformerModel passes it
+    kw = dict(attention_mask=mask, is_index_masked=mask < 0, is_index_global_attn=mask > 0,
+              is_global_attn=False)
+    with torch.no_grad():
+        out, ref = net(x, **kw)[0], attn(x, **kw)[0]
+    graphs, eager = net.amp_parts()
+    assert graphs and not eager, [e.reason for e in eager]
+    assert cosine(out, ref) > 0.999

@@ -9,6 +9,7 @@ import torch
 
 import ampgraph
 from ampgraph.capture import preserved_global_state
+from ampgraph.capture.state import DIM_MARKS
 from tests.helpers import global_state
 
 
@@ -165,3 +166,17 @@ def test_the_rest_of_the_state_is_restored_when_one_piece_fails(monkeypatch):
     real_set_dtype(before[2])
     assert global_state() == before  # every other piece is back
     assert torch.equal(torch.rand(2), expected[0]) and random.random() == expected[1]
+
+
+def test_a_failed_export_leaves_no_dimension_marks_on_the_inputs():
+    """torch.export marks the dimensions it makes dynamic on the input tensors and, when it
+    fails, leaves the marks: a later export of the same tensors made them dynamic again."""
+    class BranchesOnData(torch.nn.Module):
+        def forward(self, x):
+            return x * 2 if x.sum() > 0 else x * 3
+
+    x = torch.randn(3, 4)
+    net = ampgraph.compile(BranchesOnData())
+    net(x)
+    assert net.amp_parts()[1]  # export failed: the module ran eagerly
+    assert not [a for a in DIM_MARKS if a in x.__dict__]
