@@ -35,6 +35,7 @@ from ampgraph.capture.structure import (
     strip_tensors,
     unflatten_output,
 )
+from passes.fx.autocast_regions import inline_autocast_off_regions
 from passes.fx.no_grad_regions import inline_no_grad_regions
 
 
@@ -220,6 +221,7 @@ def export_module(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
     # own guard function still runs inside forward.
     gm.validate_inputs = False
     guards = _hoist_guards(gm, flatten_inputs(args, kwargs)[0])
+    inline_autocast_off_regions(gm)  # before: a no_grad body holding one is then inlined
     inline_no_grad_regions(gm)
     _repoint_state(gm, model)
     dims = []

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,43 +35,54 @@ def inline_no_grad_regions(gm: fx.GraphModule) -> int:
         body_node = node.args[1]
         if getattr(body_node, "op", None) != "get_attr":
             continue
-        body = getattr(gm, body_node.target)
-        inline_no_grad_regions(body)
-        if any(n.op in ("get_attr", "call_module") for n in body.graph.nodes):
-            continue
-        placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
-        inputs = node.args[2:]
-        if len(placeholders) != len(inputs) or node.kwargs:
-            continue
-        env: dict[fx.Node, Any] = {}
-        lookup = env.__getitem__
-        with graph.inserting_before(node):
-            for ph, value in zip(placeholders, inputs):
-                env[ph] = _detached(graph, value)
-            result = None
-            for inner in body.graph.nodes:
-                if inner.op == "placeholder":
-                    continue
-                if inner.op == "output":
-                    result = fx.map_arg(inner.args[0], lookup)
-                    break
-                env[inner] = graph.node_copy(inner, lookup)
-        outs = result if isinstance(result, (tuple, list)) else (result,)
-        for user in list(node.users):
-            if user.op == "call_function" and user.target is operator.getitem:
-                user.replace_all_uses_with(outs[user.args[1]])
-                graph.erase_node(user)
-        if node.users:  # used as a whole (not seen from export): leave the rest alone
-            continue
-        graph.erase_node(node)
-        if not body_node.users:
-            graph.erase_node(body_node)
-            delattr(gm, body_node.target)
-        inlined += 1
+        inline_no_grad_regions(getattr(gm, body_node.target))
+        if inline_region(gm, node, body_node, node.args[2:], _detached) is not None:
+            inlined += 1
     if inlined:
         graph.lint()
         gm.recompile()
     return inlined
+
+
+def inline_region(gm: fx.GraphModule, node: fx.Node, body_node: fx.Node, inputs: Any,
+                  bind: Callable[[fx.Graph, Any], Any] | None = None) -> list[fx.Node] | None:
+    """Copy the ops of the body ``body_node`` names (a higher-order op's region) before
+    ``node``, its placeholders bound to ``inputs`` (each through ``bind(graph, input)`` if
+    given), point ``node``'s ``getitem`` users at the copies, and erase ``node`` (and the
+    body, once nothing else uses it). Returns the copied nodes, or None where the region is
+    not inlined: a body with attributes of its own, inputs that do not match, or ``node``
+    used as a whole (not seen from export; its copies are then dead code)."""
+    graph, body = gm.graph, getattr(gm, body_node.target)
+    if any(n.op in ("get_attr", "call_module") for n in body.graph.nodes):
+        return None
+    placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(inputs) or node.kwargs:
+        return None
+    env: dict[fx.Node, Any] = {}
+    lookup = env.__getitem__
+    with graph.inserting_before(node):
+        for ph, value in zip(placeholders, inputs):
+            env[ph] = value if bind is None else bind(graph, value)
+        result = None
+        for inner in body.graph.nodes:
+            if inner.op == "placeholder":
+                continue
+            if inner.op == "output":
+                result = fx.map_arg(inner.args[0], lookup)
+                break
+            env[inner] = graph.node_copy(inner, lookup)
+    outs = result if isinstance(result, (tuple, list)) else (result,)
+    for user in list(node.users):
+        if user.op == "call_function" and user.target is operator.getitem:
+            user.replace_all_uses_with(outs[user.args[1]])
+            graph.erase_node(user)
+    if node.users:
+        return None
+    graph.erase_node(node)
+    if not body_node.users:
+        graph.erase_node(body_node)
+        delattr(gm, body_node.target)
+    return [n for ph, n in env.items() if ph.op != "placeholder"]
 
 
 def _detached(graph: fx.Graph, value: Any) -> Any:

@@ -12,6 +12,7 @@ import torch
 from torch import fx
 
 from passes._infra import PassManager, PassResult, named
+from passes.fx.autocast_regions import force_autocast_off
 from passes.fx.calibration import force_calibrated, tag_calibrated
 from passes.fx.checkpoints import outline_checkpoints
 from passes.fx.dataflow import build_dataflow
@@ -179,6 +180,7 @@ def amp_passes(
     if low in (torch.float16, torch.bfloat16) and policy.level != "O0":
         passes.append(named("mark_range_hazards", _mark_range_hazards, state, low))
         passes.append(named("mark_written_views", _mark_written_views, state))
+        passes.append(named("force_autocast_off", _force_autocast_off, state))
         if calibrated:
             passes.append(named("force_calibrated", _force_calibrated, state))
         if policy.level != "O3":
@@ -255,6 +257,11 @@ def _mark_range_hazards(gm: fx.GraphModule, state: PipelineState, low: torch.dty
 
 def _mark_written_views(gm: fx.GraphModule, state: PipelineState) -> PassResult:
     mark_written_views(state.dataflow, gm)
+    return PassResult(gm, False)
+
+
+def _force_autocast_off(gm: fx.GraphModule, state: PipelineState) -> PassResult:
+    force_autocast_off(state.dataflow, gm)
     return PassResult(gm, False)
 
 
