@@ -11,7 +11,10 @@ word is the same, less its trailing digits (``resnet``, ``seresnext``, ``ecaresn
 ``deit``), are one sub-architecture. The sweep takes the smallest model (parameters counted
 on the meta device, once per timm version, cached in ``~/.cache/ampgraph``) of each
 sub-architecture of each family: the family's smallest always, the others only up to
-``MAX_PARAMS``.
+``MAX_PARAMS``; then up to ``VARIANTS`` more per family, the smallest of each variant (the
+name less its size words: ``resnet#d``, ``vit_siglip``, ``mobilenetv#_conv``) not taken
+yet, up to ``VARIANT_PARAMS``. The families' smallest run first, then the rest, smallest
+first.
 
 Each is built with ``timm.create_model(name, pretrained=False, num_classes=5)`` (every
 dropout and drop-path probability 0 afterwards) at the smallest of ``SIZES`` px its fp32
@@ -38,6 +41,7 @@ import pathlib
 import re
 import sys
 import warnings
+from collections.abc import Callable
 
 import hf_sweep  # noqa: E402 - benchmarks/ is on sys.path (this script's folder)
 import torch
@@ -47,6 +51,7 @@ from torch import nn
 SIZES = (32, 64, 96, 128, 160, 192, 224, 256)
 BN_SIZE, BATCH, BN_BATCH = 64, 2, 4
 MAX_PARAMS = 60_000_000  # a sub-architecture past a family's smallest, only up to this
+VARIANT_PARAMS, VARIANTS = 30_000_000, 4  # then per family, variants (``variant``) up to this
 CACHE = pathlib.Path.home() / ".cache" / "ampgraph"
 
 
@@ -58,24 +63,47 @@ def stem(name: str) -> str:
     return re.sub(r"[\d.]+[a-z]?$", "", word) or word
 
 
+SIZE_WORD = re.compile(  # after digits became "#": a size, width, patch, window, resolution
+    r"^(zepto|atto|femto|pico|nano|micro|x*tiny|small|base|medium|large|huge|giant|gigantic"
+    r"|x*[sml]|#[a-z]?|patch#|p#|w#|#x#d?|window#|#[mk]|in#k|r#|#px)$")
+
+
+def variant(name: str) -> str:
+    """A timm name less its size: digits as ``#``, then every word after the first that
+    names a size, width, patch, window or resolution dropped: ``resnet50d`` ->
+    ``resnet#d``, ``vit_base_patch16_siglip_224`` -> ``vit_siglip``,
+    ``mobilenetv4_conv_small_035`` -> ``mobilenetv#_conv``."""
+    words = [re.sub(r"\d+", "#", w) for w in name.split("_")]
+    return "_".join(words[:1] + [w for w in words[1:] if not SIZE_WORD.match(w)])
+
+
 def select(families: dict[str, list[str]], params: dict[str, int | None],
-           max_params: int = MAX_PARAMS) -> list[tuple[str, str, str]]:
-    """(name, family, "-") per sub-architecture: the smallest name of each ``stem`` group of
-    each family (unknown sizes last, then shorter names), the family's smallest group
-    always, the others up to ``max_params``. Every family's smallest comes first, then the
-    others, each part smallest first: a sweep cut short has covered every family."""
+           max_params: int = MAX_PARAMS, variant_params: int = VARIANT_PARAMS,
+           variants: int = VARIANTS) -> list[tuple[str, str, str]]:
+    """(name, family, "-") per sub-architecture of each family, the smallest name of each
+    group (unknown sizes last, then shorter names): of each ``stem`` group, the family's
+    smallest always and the others up to ``max_params``; then of each ``variant`` group
+    not taken yet, the ``variants`` smallest up to ``variant_params``. Every family's
+    smallest comes first, then the others, smallest first: a sweep cut short has covered
+    every family, and the larger models are what it misses."""
     def size(name: str) -> tuple[float, int, str]:
         n = params.get(name)
         return (float("inf") if n is None else n, len(name), name)
 
-    firsts, others = [], []
-    for family, names in families.items():
+    def smallest(names: list[str], key: Callable[[str], str]) -> list[str]:
         groups = collections.defaultdict(list)
         for name in names:
-            groups[stem(name)].append(name)
-        picks = sorted((min(group, key=size) for group in groups.values()), key=size)
+            groups[key(name)].append(name)
+        return sorted((min(group, key=size) for group in groups.values()), key=size)
+
+    firsts, others = [], []
+    for family, names in families.items():
+        picks = smallest(names, stem)
         firsts.append((picks[0], family, "-"))
         others += [(name, family, "-") for name in picks[1:] if size(name)[0] <= max_params]
+        more = [n for n in smallest(names, variant) if n not in picks
+                and size(n)[0] <= variant_params]
+        others += [(name, family, "-") for name in more[:variants]]
     return sorted(firsts, key=lambda t: size(t[0])) + sorted(others, key=lambda t: size(t[0]))
 
 

@@ -21,6 +21,14 @@ def test_stem_is_the_first_word_less_its_size_digits():
     assert timm_sweep.stem("test_vit") == "test"
 
 
+def test_variant_is_the_name_less_its_size_words():
+    assert timm_sweep.variant("resnet50d") == "resnet#d"
+    assert timm_sweep.variant("vit_base_patch16_siglip_224") == "vit_siglip"
+    assert timm_sweep.variant("vit_tiny_patch16_224") == "vit"
+    assert timm_sweep.variant("mobilenetv4_conv_small_035") == "mobilenetv#_conv"
+    assert timm_sweep.variant("convnext_atto_ols") == "convnext_ols"
+
+
 def test_select_takes_every_familys_smallest_first_then_the_other_stems():
     families = {
         "resnet": ["resnet18", "resnet10t", "seresnet18", "seresnet50", "wide_resnet101_2"],
@@ -31,11 +39,14 @@ def test_select_takes_every_familys_smallest_first_then_the_other_stems():
               "seresnet50": 28_000_000, "wide_resnet101_2": 126_000_000,
               "vit_tiny_patch16_224": 5_500_000, "vit_base_patch16_224": 86_000_000,
               "test_vit": 300_000, "regnetx_002": None, "regnety_002": None}
-    todo = timm_sweep.select(families, params, max_params=60_000_000)
+    todo = timm_sweep.select(families, params, max_params=60_000_000,
+                             variant_params=30_000_000, variants=4)
     assert todo == [
         ("test_vit", "vision_transformer", "-"), ("resnet10t", "resnet", "-"),
         ("regnetx_002", "regnet", "-"),  # unknown sizes after known ones
-        ("vit_tiny_patch16_224", "vision_transformer", "-"), ("seresnet18", "resnet", "-"),
+        ("vit_tiny_patch16_224", "vision_transformer", "-"),
+        ("resnet18", "resnet", "-"),  # a variant of the resnet stem: resnet# (resnet10t: #t)
+        ("seresnet18", "resnet", "-"),
     ]  # wide_resnet (126M) past max_params; regnety unknown: only a family's first
 
 
