@@ -18,8 +18,10 @@ eagerly in fp32 and each child is compiled on its own. Per model and mode it rec
 - eval numerics, cosine against fp32 beside autocast's: the backbone's features (every FPN
   level), and the class logits of the heads -- RetinaNet's and FCOS's dense heads; the R-CNN
   box predictor's on fixed proposals (the fp32 model's RPN proposals are given to each run,
-  since 16-bit objectness scores reorder NMS and change the proposals); segmentation: the
-  ``out`` logits. Detections after NMS differ in count, so they are not compared;
+  since 16-bit objectness scores reorder NMS and change the proposals), centred (less their
+  mean: RetinaNet's and FCOS's classification bias starts at the prior -4.6, which alone
+  makes any two runs' logits agree at cosine 1.0000); segmentation: the ``out`` logits.
+  Detections after NMS differ in count, so they are not compared;
 - train numerics: the loss terms' largest relative difference from fp32's and the cosine of
   all parameter gradients (of their sum; of a cross-entropy on fixed random labels for the
   segmenters), R-CNN proposals fixed the same way and the samplers seeded alike;
@@ -58,7 +60,9 @@ CLASSES, FPN = 3, 64
 RCNN = dict(min_size=64, max_size=96, rpn_pre_nms_top_n_train=200, rpn_post_nms_top_n_train=100,
             rpn_pre_nms_top_n_test=200, rpn_post_nms_top_n_test=100,
             box_batch_size_per_image=32, box_detections_per_img=20)
-DENSE = dict(min_size=64, max_size=96, topk_candidates=100, detections_per_img=20)
+# a score threshold below the heads' prior (sigmoid(-4.6) = 0.01): NMS runs in eval
+DENSE = dict(min_size=64, max_size=96, topk_candidates=100, detections_per_img=20,
+             score_thresh=0.001)
 
 
 # -- models ------------------------------------------------------------------------------
@@ -162,7 +166,22 @@ def build(entry: Model) -> nn.Module:
     else:  # batch-norm statistics of the backbone on normalised images (zoo.prepare_weights)
         batch = model.transform(images())[0].tensors
         zoo.prepare_weights(model.backbone, {"x": batch})
+    if entry.kind == "dense":  # see spread_class_logits
+        spread_class_logits(model.head.classification_head)
     return model.eval()
+
+
+def spread_class_logits(head: nn.Module) -> None:
+    """PyTorch's default init for the convolutions of RetinaNet's / FCOS's classification
+    head (the biases keep theirs: 0, and the prior -4.6 for the logits). torchvision starts
+    them at std 0.01: through RetinaNet's four convolutions the logits spread ~1e-3 around
+    -4.6, under bf16's spacing there (2**-5), and all of them round to -4.59375 in bf16,
+    autocast's and O2's alike; a trained head spreads them by units. (As
+    ``zoo.prepare_weights`` gives a zero head random weights.)"""
+    with torch.no_grad():
+        for conv in head.modules():
+            if isinstance(conv, nn.Conv2d):
+                nn.init.kaiming_uniform_(conv.weight, a=5 ** 0.5)
 
 
 # -- what each run computes ---------------------------------------------------------------
@@ -189,8 +208,8 @@ def observed(model: nn.Module, kind: str, proposals: list | None) -> Any:
             seen["features"] = torch.cat([f.detach().float().flatten()
                                           for f in output.values()])
         elif user is head and head is not None:
-            logits = output[0] if kind == "rcnn" else output["cls_logits"]
-            seen["logits"] = logits.detach().float()
+            logits = (output[0] if kind == "rcnn" else output["cls_logits"]).detach().float()
+            seen["logits"] = logits - logits.mean()  # centred: see the module docstring
         elif isinstance(module, RegionProposalNetwork):
             seen["proposals"] = [p.detach().clone() for p in output[0]]
             if proposals is not None:
