@@ -17,11 +17,11 @@ yet, up to ``VARIANT_PARAMS``. The families' smallest run first, then the rest, 
 first.
 
 Each is built with ``timm.create_model(name, pretrained=False, num_classes=5)`` (every
-dropout and drop-path probability 0 afterwards) at the smallest of ``SIZES`` px its fp32
-forward takes, its ``img_size`` passed when it has one (ViTs, Swins, MaxViTs fix their
-positions and windows there): 32 px and batch 2, or at least 64 px and batch 4 for a model
-with batch norm (as benchmarks/zoo.py: two values per channel make the train-mode gradients
-noise). Nothing is downloaded.
+dropout and drop-path probability 0 afterwards) at the smallest of ``SIZES`` px (then its
+own default size) its fp32 forward takes with finite logits, its ``img_size`` passed when
+it has one (ViTs, Swins, MaxViTs fix their positions and windows there): 32 px and batch
+2, or at least 64 px and batch 4 for a model with batch norm (as benchmarks/zoo.py: two
+values per channel make the train-mode gradients noise). Nothing is downloaded.
 
 Everything else is benchmarks/hf_sweep.py's: one process per architecture with a timeout, the
 same measurements (fp32 references, autocast, the bf16 floor, O2 eval and train), the same
@@ -162,12 +162,24 @@ def create(name: str, size: int) -> tuple[nn.Module, bool]:
     return zoo.no_dropout(model), took
 
 
-def runs_at(model: nn.Module, size: int) -> bool:
-    """Whether the fp32 model's eval forward takes one ``size`` px image (raises otherwise)."""
+def runs_at(model: nn.Module, size: int) -> None:
+    """Raises unless the fp32 model's eval forward takes one ``size`` px image and gives
+    finite logits (Swin V2's position bias is not finite at some sizes)."""
     model.eval()
     with torch.no_grad():
-        zoo.logits_of(model(torch.randn(1, 3, size, size)))
-    return True
+        logits = zoo.logits_of(model(torch.randn(1, 3, size, size)))
+    if not torch.isfinite(logits).all():
+        raise ValueError(f"fp32 logits not finite at {size} px")
+
+
+def sizes(name: str) -> list[int]:
+    """``SIZES``, then the model's own default size if it is not one of them (CrossViT's
+    240 px: its two branches' patch grids must match)."""
+    import timm
+
+    default = timm.models.get_pretrained_cfg(name)
+    own = default.input_size[-1] if default is not None else SIZES[-1]
+    return list(SIZES) + ([own] if own not in SIZES else [])
 
 
 def timm_model(name: str, family: str, class_name: str) -> tuple[nn.Module, dict]:
@@ -176,7 +188,7 @@ def timm_model(name: str, family: str, class_name: str) -> tuple[nn.Module, dict
     when none works."""
     error: Exception | None = None
     model, took = None, True
-    for size in SIZES:
+    for size in sizes(name):
         try:
             if took or model is None:
                 model, took = create(name, size)
@@ -193,7 +205,8 @@ def timm_model(name: str, family: str, class_name: str) -> tuple[nn.Module, dict
 
 
 def build_failed(name: str, class_name: str, exc: Exception) -> str:
-    return f"fp32 model does not build or run at {SIZES[0]}-{SIZES[-1]} px: {zoo.one_line(exc)}"
+    return f"fp32 model does not build or run at {'/'.join(map(str, sizes(name)))} px: " \
+        f"{zoo.one_line(exc)}"
 
 
 def worker(args: argparse.Namespace) -> int:
