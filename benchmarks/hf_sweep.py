@@ -303,7 +303,14 @@ def failure_reasons(row: dict) -> list[str]:
         if not out:
             out.append("not captured whole")
     if c["eval"] is False and "o2_eval" not in errors and "compile" not in errors:
-        out.append("O2 eval cos < 0.99 or < autocast's - 0.005")
+        o2, ac = row.get("o2_eval_cos"), row.get("autocast_eval_cos")
+        if not all(isinstance(v, float) and not math.isnan(v) for v in (o2, ac)):
+            out.append("O2 eval cos < 0.99 or < autocast's - 0.005")
+        elif o2 < ac - 0.005:
+            out.append("O2 eval cos < autocast's - 0.005")
+        else:  # within 0.005 of autocast's: the absolute bound failed
+            out.append("O2 eval cos < 0.99, " + ("as autocast's" if ac < 0.99
+                                                 else "autocast's >= 0.99"))
     if c["grad"] is False and "o2_train" not in errors and "compile" not in errors:
         out.append("O2 gradients not finite" if not row.get("o2_grads_finite")
                    else "O2 grad cos < autocast's - 0.01")

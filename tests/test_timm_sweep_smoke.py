@@ -71,6 +71,13 @@ def test_a_timm_row_is_judged_by_the_transformers_sweeps_criteria():
     assert hf_sweep.failure_reasons(slow) == ["compile + first call > 30 s"]
     assert hf_sweep.failure_reasons(eager) == ["not captured whole: r"]
     assert ill["status"] == "apart" and "ill-conditioned" in ill["reason"]
+    low = [row(o2_eval_cos=o2, autocast_eval_cos=ac) for o2, ac in
+           ((0.97, 0.98), (0.985, 0.986), (0.987, 0.991))]
+    for r in low:
+        hf_sweep.judge(r)
+    assert [hf_sweep.failure_reasons(r) for r in low] == [
+        ["O2 eval cos < autocast's - 0.005"], ["O2 eval cos < 0.99, as autocast's"],
+        ["O2 eval cos < 0.99, autocast's >= 0.99"]]
     text = hf_sweep.summary([good, slow, ill])
     assert text.startswith("3 architectures: 2 counted, 1 listed apart; "
                            "passed every criterion: 1/2 (50.0%)")
