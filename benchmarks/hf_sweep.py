@@ -450,13 +450,20 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
 
 def read_rows(paths: list[str]) -> list[dict]:
     """The architecture rows of --json files, an architecture's last row winning, in the
-    order they first appear."""
+    order they first appear; each measured row judged again (the criteria and failure
+    reasons of this code)."""
     last: dict[str, dict] = {}
     for path in paths:
         with open(path) as f:
             for r in map(json.loads, f):
                 if r["record"] == "architecture":
                     last[r["arch"]] = r
+    for row in last.values():
+        if row["status"] in ("counted", "timeout"):
+            judge(row)
+            row.pop("failures", None)
+            if not row["passed"]:
+                row["failures"] = failure_reasons(row)
     return list(last.values())
 
 
