@@ -11,8 +11,16 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch.fx.operator_schemas import normalize_function
 
 from passes._infra import visiting
+
+aten = torch.ops.aten
+
+# ops that return their input itself (grad and all, even under no_grad) where they change
+# neither dtype, device nor layout and copy nothing: ``h.float()`` of a float ``h``
+SELF_RETURNING = {aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten.to.other,
+                  aten.type_as.default}
 
 
 def inline_no_grad_regions(gm: fx.GraphModule) -> int:
@@ -36,6 +44,7 @@ def inline_no_grad_regions(gm: fx.GraphModule) -> int:
         if getattr(body_node, "op", None) != "get_attr":
             continue
         inline_no_grad_regions(getattr(gm, body_node.target))
+        _read_returned_inputs(gm, node, body_node)
         if inline_region(gm, node, body_node, node.args[2:], _detached) is not None:
             inlined += 1
     if inlined:
@@ -83,6 +92,43 @@ def inline_region(gm: fx.GraphModule, node: fx.Node, body_node: fx.Node, inputs:
         graph.erase_node(body_node)
         delattr(gm, body_node.target)
     return [n for ph, n in env.items() if ph.op != "placeholder"]
+
+
+def _read_returned_inputs(gm: fx.GraphModule, node: fx.Node, body_node: fx.Node) -> None:
+    """Point the users of ``node``'s outputs that are one of its inputs itself (returned
+    through ops that return their input, :data:`SELF_RETURNING`) at that input, not at the
+    body's copy of it, made from the detached input. Eager code reads the same tensor
+    after the block, gradient and all: torch.export tracks tensors by identity, so after
+    ``with no_grad(): q = h.float()`` every later read of ``h`` is the region's output
+    ``q``, and through the detached copy ``h`` would get no gradient."""
+    body = getattr(gm, body_node.target).graph
+    placeholders = [n for n in body.nodes if n.op == "placeholder"]
+    outs = body.output_node().args[0]
+    if len(placeholders) != len(node.args) - 2 or not isinstance(outs, (tuple, list)):
+        return
+    for user in list(node.users):
+        if user.op != "call_function" or user.target is not operator.getitem:
+            continue
+        source = outs[user.args[1]]
+        while isinstance(source, fx.Node) and _returns_its_input(source):
+            source = source.args[0]
+        if source in placeholders:
+            user.replace_all_uses_with(node.args[2 + placeholders.index(source)])
+            node.graph.erase_node(user)
+
+
+def _returns_its_input(node: fx.Node) -> bool:
+    """Whether ``node`` (eagerly) returns its first argument itself: a :data:`SELF_RETURNING`
+    op that keeps its dtype, device and layout, copying nothing."""
+    if node.op != "call_function" or node.target not in SELF_RETURNING:
+        return False
+    kwargs = normalize_function(node.target, node.args, node.kwargs,
+                                normalize_to_only_use_kwargs=True).kwargs
+    if kwargs.get("copy") or kwargs.get("memory_format") not in (None, torch.preserve_format):
+        return False
+    out, x = node.meta.get("val"), getattr(node.args[0], "meta", {}).get("val")
+    return (isinstance(out, torch.Tensor) and isinstance(x, torch.Tensor)
+            and (out.dtype, out.device, out.layout) == (x.dtype, x.device, x.layout))
 
 
 def _detached(graph: fx.Graph, value: Any) -> Any:
