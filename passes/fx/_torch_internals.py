@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch._dispatch.python import enable_python_dispatcher
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_map
@@ -33,6 +34,7 @@ __all__ = [
     "cast_node_name",
     "create_node_hooks",
     "detect_fake_mode",
+    "enable_python_dispatcher",
     "has_symbolic_sizes_strides",
     "input_nodes",
     "op_schema",
@@ -97,6 +99,12 @@ def cast_node_name(graph: fx.Graph, target: Any) -> str | None:
 
 # fake tensor -> whether any of its sizes, strides or offset is symbolic
 has_symbolic_sizes_strides: Any = operator.attrgetter("_has_symbolic_sizes_strides")
+
+
+# enable_python_dispatcher(): a context in which ops run the Python kernels torch registers
+# for them (``torch._decomp``'s ``py_impl``s), as they do while torch.export traces. Some
+# ops' C++ kernels cannot take symbolic sizes (``aten.lstm.input`` calls ``numel()``) and
+# export traced them through those Python decompositions.
 
 
 def size_hint(d: torch.SymInt) -> Any:

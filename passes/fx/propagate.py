@@ -21,6 +21,7 @@ from passes._infra import PassError
 from passes.fx._torch_internals import (
     FakeTensor,
     detect_fake_mode,
+    enable_python_dispatcher,
     has_symbolic_sizes_strides,
     input_nodes,
     tree_map,
@@ -272,8 +273,14 @@ class DtypeTracker:
             with fake_mode:
                 node.meta["val"] = node.target(*args, **kwargs)
         except Exception as exc:
-            raise PassError("insert_casts", node.name,
-                            f"could not re-run {op_key(node)} on the new dtypes: {exc}") from exc
+            # an op whose C++ kernel cannot take symbolic sizes (aten.lstm.input calls
+            # numel()): export traced it through torch's Python decompositions; so does this
+            try:
+                with fake_mode, enable_python_dispatcher():
+                    node.meta["val"] = node.target(*args, **kwargs)
+            except Exception:
+                raise PassError("insert_casts", node.name, f"could not re-run {op_key(node)} "
+                                f"on the new dtypes: {exc}") from exc
         node.meta.pop("amp_dtype", None)
         set_dtype(node, dtype_of(node))
 

@@ -83,3 +83,57 @@ def test_norms_reading_their_captured_inputs_are_not_rerun(monkeypatch):
         return [r for r in count_runs(monkeypatch, gm, "O2") if r != "getitem"]
 
     assert kernels(blocks(3)) == kernels(blocks(30)) == []
+
+
+class _Sequencer(torch.nn.Module):
+    """An LSTM across an image's rows, as timm's Sequencer2d runs it: batch first,
+    bidirectional, over a batch whose size is a product of symbolic sizes (B * H)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Linear(8, 16)
+        self.rnn = torch.nn.LSTM(16, 12, num_layers=2, batch_first=True, bidirectional=True)
+        self.head = torch.nn.Linear(24, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, h, w, _ = x.shape
+        y, _ = self.rnn(self.embed(x).reshape(b * h, w, -1))
+        return self.head(y.reshape(b, h, w, -1))
+
+
+def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double().flatten(), b.detach().double().flatten()
+    return float(a @ b / (a.norm() * b.norm()))
+
+
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_an_lstm_on_symbolic_sizes_is_captured_whole_in_low_precision(mode, one_thread):
+    """aten.lstm.input's C++ kernel calls numel(), which symbolic sizes refuse: re-running
+    it on the new dtypes goes through torch's Python decomposition, as export traced it. The
+    model is one graph, the LSTM in bf16 as under CPU autocast (mkldnn_rnn_layer), and its
+    outputs and gradients agree with fp32's."""
+    import copy
+    import warnings
+
+    import ampgraph
+
+    torch.manual_seed(0)
+    model = _Sequencer()
+    x = torch.randn(2, 3, 7, 8)
+    net = ampgraph.compile(copy.deepcopy(model), amp_level="O2", dtype="bf16")
+    getattr(net, mode)()
+    getattr(model, mode)()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # export's note on nn.LSTM's _flat_weights
+        out = net(x)
+    graphs, eager = net.amp_parts()
+    assert eager == [] and len(graphs) == 1
+    rows = {r["name"]: r for r in ampgraph.explain(net).nodes}
+    assert rows["lstm"]["precision"] == "bf16"
+    ref = model(x)
+    assert out.dtype == torch.float32 and _cos(out, ref) > 0.9999
+    if mode == "train":
+        out.square().mean().backward()
+        ref.square().mean().backward()
+        grads = [torch.cat([p.grad.flatten() for p in m.parameters()]) for m in (net, model)]
+        assert _cos(*grads) > 0.9999
