@@ -174,7 +174,7 @@ def test_o1_reasons_do_not_depend_on_the_hash_seed():
     )
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     outs = set()
-    for seed in ("0", "1", "2", "3", "4", "5"):
+    for seed in ("0", "1", "2", "3"):
         path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
         env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": path}
         run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
