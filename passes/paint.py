@@ -80,6 +80,23 @@ class Decision:
 
 
 Assignment = dict[Hashable, Decision]
+
+
+def force_fp32(graph: nx.DiGraph, v: Hashable, reason: str) -> bool:
+    """Keep the compute vertex ``v`` fp32 for ``reason`` (what the painter's ``forced``
+    attribute says), unless it is not in ``graph``, not a compute op, or a hazard forced it
+    already; whether it did.
+
+    Example:
+        >>> g = nx.DiGraph(); g.add_node("exp", kind="compute", op="aten.exp")
+        >>> force_fp32(g, "exp", "overflows"), force_fp32(g, "exp", "again")
+        (True, False)
+    """
+    data = graph.nodes[v] if v in graph else None
+    if data is None or data.get("kind") != COMPUTE or data.get("forced"):
+        return False
+    data["forced"] = (FP32, reason)
+    return True
 NO_PRODUCTS_REASON = (
     "eager fallback part without a matrix product or convolution: its inputs come from fp32 "
     "code and its outputs return to it, so low precision would only round")

@@ -16,8 +16,7 @@ from torch import fx
 
 from passes._infra import visiting
 from passes.fx.no_grad_regions import inline_region
-from passes.paint import COMPUTE
-from passes.policy import FP32
+from passes.paint import force_fp32
 
 AUTOCAST_OFF = "inside torch.autocast(enabled=False) in the model: fp32, as under autocast"
 
@@ -61,8 +60,5 @@ def force_autocast_off(graph: nx.DiGraph, gm: fx.GraphModule) -> None:
     """Keep fp32 the dataflow vertices of the ops :func:`inline_autocast_off_regions`
     tagged (unless another hazard forced them already)."""
     for node in gm.graph.nodes:
-        if not node.meta.get("amp_autocast_off") or node.name not in graph:
-            continue
-        data = graph.nodes[node.name]
-        if data.get("kind") == COMPUTE and not data.get("forced"):
-            data["forced"] = (FP32, AUTOCAST_OFF)
+        if node.meta.get("amp_autocast_off"):
+            force_fp32(graph, node.name, AUTOCAST_OFF)

@@ -28,8 +28,7 @@ from torch import fx
 
 from passes.fx.hazards import low_range
 from passes.fx.nodes import SHORT_NAMES, module_info, op_key, tensors
-from passes.paint import COMPUTE
-from passes.policy import FP32
+from passes.paint import force_fp32
 
 HEADROOM = 4.0  # marked above finfo(low).max / HEADROOM: other inputs may reach further
 
@@ -136,6 +135,5 @@ def force_calibrated(graph: nx.DiGraph, gm: fx.GraphModule) -> None:
     another hazard forced them already)."""
     for node in gm.graph.nodes:
         reason = node.meta.get("amp_calibrated")
-        data = graph.nodes.get(node.name) if reason and node.name in graph else None
-        if data is not None and data.get("kind") == COMPUTE and not data.get("forced"):
-            data["forced"] = (FP32, reason)
+        if reason:
+            force_fp32(graph, node.name, reason)

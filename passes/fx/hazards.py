@@ -26,8 +26,7 @@ from torch import fx
 
 from passes._infra import ConstantRangeWarning, visiting
 from passes.fx.nodes import SHORT_NAMES, op_key
-from passes.paint import COMPUTE
-from passes.policy import FP32
+from passes.paint import force_fp32
 
 # Norm kernels add eps inside an fp32 (opmath) accumulation even for fp16 inputs, so a tiny
 # eps (BERT's 1e-12) is not a hazard there; they also bring values back into range.
@@ -132,9 +131,7 @@ def mark_range_hazards(graph: nx.DiGraph, gm: fx.GraphModule, low: torch.dtype) 
     found: dict[str, str] = {}
 
     def force(node: fx.Node, reason: str) -> None:
-        data = graph.nodes.get(node.name) if node.name in graph else None
-        if data is not None and data.get("kind") == COMPUTE and not data.get("forced"):
-            data["forced"] = (FP32, reason)
+        force_fp32(graph, node.name, reason)
 
     for node in visiting(list(gm.graph.nodes)):
         op = node.op

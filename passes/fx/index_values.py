@@ -25,8 +25,8 @@ import networkx as nx
 from torch import fx
 
 from passes._infra import visiting
-from passes.paint import COMPUTE, NONFLOAT
-from passes.policy import ALLOW, FP32, LevelPolicy
+from passes.paint import NONFLOAT, force_fp32
+from passes.policy import ALLOW, LevelPolicy
 
 REASON = ("computed only from buffers, constants and integer inputs (positions, masks, "
           "rotary angles): kept fp32, cheap and precision-sensitive")
@@ -71,7 +71,6 @@ def mark_index_values(graph: nx.DiGraph, gm: fx.GraphModule,
                 buffers_only.get(a.name, False) for a in inputs)
             if only and policy is not None and policy.op_info(data.get("op", "")).cls == ALLOW:
                 continue  # a product of the module's constant matrices: the allow list's
-        if free and data.get("kind") == COMPUTE and not data.get("forced"):
-            data["forced"] = (FP32, REASON)
+        if free and force_fp32(graph, name, REASON):
             forced += 1
     return forced
