@@ -452,10 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    names = args.models.split(",") if args.models else list(MODELS)
-    unknown = [n for n in names if n not in MODELS]
-    if unknown:
-        parser.error(f"unknown models {unknown}; known: {', '.join(MODELS)}")
+    names = zoo.chosen(parser, args.models, MODELS)
     rows = []
     for name in names:
         rows.append(run_model(name))

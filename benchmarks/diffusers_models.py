@@ -454,10 +454,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-loop", action="store_true", help="skip the denoising loop")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
-    names = args.models.split(",") if args.models else list(MODELS)
-    unknown = [n for n in names if n not in MODELS]
-    if unknown:
-        parser.error(f"unknown models {unknown}; known: {', '.join(MODELS)}")
+    names = zoo.chosen(parser, args.models, MODELS)
     rows = []
     for name in names:
         t0 = time.perf_counter()

@@ -799,6 +799,17 @@ def details(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def chosen(parser: argparse.ArgumentParser, models: str | None, known: dict,
+           default: list[str] | None = None) -> list[str]:
+    """The names of a ``--models a,b`` argument (``default``, else all of ``known``, when
+    not given); an unknown name is the parser's error."""
+    names = models.split(",") if models else (default or list(known))
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        parser.error(f"unknown models {unknown}; known: {', '.join(known)}")
+    return names
+
+
 def main(argv: list[str] | None = None) -> int:
     for logger in ("torch.onnx", "torch.export", "onnxscript", "transformers"):
         logging.getLogger(logger).setLevel(logging.ERROR)
@@ -813,10 +824,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
 
-    names = args.models.split(",") if args.models else (QUICK if args.quick else list(ZOO))
-    unknown = [n for n in names if n not in ZOO]
-    if unknown:
-        parser.error(f"unknown models {unknown}; known: {', '.join(ZOO)}")
+    names = chosen(parser, args.models, ZOO, QUICK if args.quick else None)
     rows = []
     for name in names:
         t0 = time.perf_counter()
