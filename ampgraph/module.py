@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import threading
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -29,11 +30,15 @@ from ampgraph.capture import (
     export_module,
     flatten_inputs,
     preserved_global_state,
+    repoint_state,
     share_state,
     signature_of,
 )
-from ampgraph.capture.fallback import EagerPart, compiled_children, eager_plan, follow_modes
+from ampgraph.capture.fallback import EagerPart, EagerPlan, compiled_children
 from ampgraph.capture.generate import route_method
+from ampgraph.capture.hooks import ModuleCall, call_with_hooks, forward_of, has_untraced_hooks
+from ampgraph.capture.opaque import OpaqueCall, bind_opaque_calls, release
+from ampgraph.capture.side_effects import SideEffect
 from ampgraph.capture.state import AUTOCAST_DEVICES
 from ampgraph.compiled_class import compiled_class
 from ampgraph.config import AmpConfig, ResolvedConfig, dtype_name, model_device
@@ -44,6 +49,8 @@ from passes.fx.calibration import observe_magnitudes, overflowing
 from passes.policy import NA, LevelPolicy
 
 MAX_GRAPHS_PER_SIGNATURE = 8
+RECAPTURE_LIMIT = 8  # captures again for changed state per input structure (dynamo's limit)
+_log = logging.getLogger("ampgraph")
 MAX_REFUSED_SHAPES = 1024  # input shapes export refused, remembered so as not to retry
 
 
@@ -69,6 +76,7 @@ class Compiled:
     decisions: dict
     casts: int
     runner: Any = None  # what forward calls: the graph's code, or its compiled_runner
+    opaque: list = field(default_factory=list)  # its calls kept out of the graph, bound
 
     @property
     def gm(self) -> fx.GraphModule:
@@ -99,6 +107,8 @@ class AmpModule(nn.Module):
     _amp_runtime: Runtime | None  # made for the model's device on the first capture
     _amp_transforms: list[Callable[[fx.GraphModule], Any]]  # see add_graph_transform
     _amp_refused: set[tuple]  # (key, input shapes) export refused: these run eagerly
+    _amp_recaptures: dict[tuple, int]  # key -> captures again because its guards failed
+    _amp_churned: set[tuple]  # keys past RECAPTURE_LIMIT: they run eagerly
     _amp_forward: Callable[..., Any] | None  # forward with the model's signature
     _amp_training: bool  # the mode nn.Module.__init__ sets, before the model is attached
 
@@ -125,6 +135,8 @@ class AmpModule(nn.Module):
         self._amp_runtime = None
         self._amp_transforms = []
         self._amp_refused = set()
+        self._amp_recaptures = {}
+        self._amp_churned = set()
         self._amp_forward = signed_forward(model, AmpModule._run)
 
     # -- nn.Module plumbing -------------------------------------------------------------
@@ -155,8 +167,6 @@ class AmpModule(nn.Module):
     def train(self, mode: bool = True) -> AmpModule:
         super().train(mode)
         self._amp_model.train(mode)
-        if self._amp_eager is not None:
-            self._amp_eager.train(mode)
         return self
 
     def extra_repr(self) -> str:
@@ -172,27 +182,34 @@ class AmpModule(nn.Module):
         """
         runtime = self._amp_runtime
         copies = runtime.working_copies() if runtime is not None else []
-        if self._amp_eager is not None:
-            for child in compiled_children(self._amp_eager, AmpModule):
-                copies += child.working_copies()
+        for child in self._parts():
+            copies += child.working_copies()
         return copies
 
     def clear_weight_cache(self) -> None:
         """Drop the weights' low-precision copies (after ``p.data`` edits) and kept outputs."""
         if self._amp_runtime is not None:
             self._amp_runtime.clear()
-        if self._amp_eager is not None:
-            for child in compiled_children(self._amp_eager, AmpModule):
-                child.clear_weight_cache()
+        for child in self._parts():
+            child.clear_weight_cache()
 
     def mark_weights_stale(self) -> None:
         """Make the next call write every kept low-precision copy again from its master, in
         place where nothing else holds it (a CUDA graph then records the refresh)."""
         if self._amp_runtime is not None:
             self._amp_runtime.invalidate()
+        for child in self._parts():
+            child.mark_weights_stale()
+
+    def _parts(self, last_only: bool = False) -> list[AmpModule]:
+        """The compiled modules this one runs besides its own graphs: its eager plan's
+        children, and the submodules its graphs (or only the last call's) cut out."""
         if self._amp_eager is not None:
-            for child in compiled_children(self._amp_eager, AmpModule):
-                child.mark_weights_stale()
+            return compiled_children(self._amp_eager, AmpModule)
+        graphs = [self._amp_last] if last_only else [
+            c for cs in self._amp_graphs.values() for c in cs]
+        return [call.runner for c in graphs if c is not None for call in c.opaque
+                if isinstance(call, ModuleCall) and call.runner is not None]
 
     def __deepcopy__(self, memo: dict) -> AmpModule:
         return AmpModule(copy.deepcopy(self._amp_model, memo), self.amp_resolved,
@@ -228,10 +245,12 @@ class AmpModule(nn.Module):
             >>> net.drop_graphs()  # doctest: +SKIP
         """
         with self._amp_lock:
+            children = self._parts()
             self._amp_graphs.clear()
-            if self._amp_eager is not None:
-                for child in compiled_children(self._amp_eager, AmpModule):
-                    child.drop_graphs()
+            self._amp_recaptures.clear()
+            self._amp_churned.clear()
+            for child in children:
+                child.drop_graphs()
 
     def calibrate(self, *args: Any, **kwargs: Any) -> dict[str, str]:
         """Run the captured graph in fp32 on sample inputs; from the next call on, keep fp32
@@ -254,10 +273,17 @@ class AmpModule(nn.Module):
         if _autocast_on():  # the graph's casts are the precision: autocast must not re-cast
             with _autocast_off():
                 return self._run(*args, **kwargs)
+        model = self._amp_model
+        if has_untraced_hooks(model):  # the user's model's own hooks, around the graph
+            return call_with_hooks(model, self._run_graph, args, kwargs)
+        return self._run_graph(*args, **kwargs)
+
+    def _run_graph(self, *args: Any, **kwargs: Any) -> Any:
         compiled = self.compiled_for(args, kwargs)
-        if compiled is None:  # eager for good, or for these input shapes (compiled_for)
-            eager = follow_modes(self._amp_eager)  # the user may have switched the model
-            return (eager if eager is not None else self._amp_model)(*args, **kwargs)
+        if compiled is None:  # eager for good, or for these inputs (compiled_for)
+            if self._amp_eager is not None:
+                return self._amp_eager(*args, **kwargs)
+            return forward_of(self._amp_model)(*args, **kwargs)
         flat = compiled.runner(tuple(args), dict(kwargs))
         return compiled.captured.rebuild(flat, args, kwargs)
 
@@ -265,8 +291,9 @@ class AmpModule(nn.Module):
 
     def compiled_for(self, args: tuple, kwargs: dict) -> Compiled | None:
         """The graph that runs ``forward(*args, **kwargs)``, captured now if none of this
-        mode and input structure accepts these inputs; None when they run eagerly (the
-        module fell back whole, or export refused these input shapes).
+        mode and input structure accepts these inputs in the model's present state (its
+        guards: ``capture/guards.py``); None when they run eagerly (the module fell back
+        whole, export refused these input shapes, or the state it reads kept changing).
 
         Example:
             >>> net.compiled_for((torch.randn(8, 64),), {}).casts  # doctest: +SKIP
@@ -282,10 +309,20 @@ class AmpModule(nn.Module):
                 return None
             key = (self.training, signature_of(leaves, spec))
             graphs = self._amp_graphs.setdefault(key, [])
+            stale = None
             for compiled in graphs:
                 if compiled.captured.accepts_leaves(leaves):
-                    object.__setattr__(self, "_amp_last", compiled)
-                    return compiled
+                    state = compiled.captured.state
+                    if state is None or state.check():
+                        object.__setattr__(self, "_amp_last", compiled)
+                        return compiled
+                    stale = stale or compiled
+            if stale is not None:
+                if self._took_changes(stale):
+                    object.__setattr__(self, "_amp_last", stale)
+                    return stale
+                if key in self._amp_churned:
+                    return None
             # other shapes of this structure captured: only these run eagerly if refused
             shapes = (key, tuple(t.shape for t in leaves if isinstance(t, torch.Tensor)))
             if shapes in self._amp_refused:
@@ -300,6 +337,36 @@ class AmpModule(nn.Module):
             object.__setattr__(self, "_amp_last", compiled)
             return compiled
 
+    def _took_changes(self, stale: Compiled) -> bool:
+        """Whether ``stale``'s graph can take what changed since its capture (tensors
+        swapped for like ones: it is pointed at them; values assigned again equal); if
+        not, the change is noted as a reason to capture again, and past
+        ``RECAPTURE_LIMIT`` recaptures of this mode and input structure, its calls run
+        eagerly, with a warning naming what kept changing."""
+        state = stale.captured.state
+        changes = state.changes()
+        if all(c.rebindable for c in changes):
+            state.rebind([lambda: repoint_state(stale.captured.gm, self._amp_model)])
+            return True
+        key = next(k for k, v in self._amp_graphs.items() if stale in v)
+        if key in self._amp_churned:
+            return False
+        count = self._amp_recaptures[key] = self._amp_recaptures.get(key, 0) + 1
+        what = "; ".join(str(c) for c in changes[:4]) + ("; ..." if len(changes) > 4 else "")
+        if count > RECAPTURE_LIMIT:
+            self._amp_churned.add(key)
+            warnings.warn(
+                f"ampgraph: {self._amp_path or type(self._amp_model).__name__} was captured "
+                f"again {count - 1} times for the same input structure because the Python "
+                f"state its graph depends on changed ({what}); calls with these inputs now "
+                "run eagerly in fp32. Keep such state fixed between calls, or make a value "
+                "that changes every call a tensor (a buffer) or an argument "
+                "(docs/faithfulness.md)", UserWarning, stacklevel=5)
+        else:
+            _log.info("ampgraph: capturing %s again: %s",
+                      self._amp_path or type(self._amp_model).__name__, what)
+        return False
+
     def _capture(self, args: tuple, kwargs: dict, first: bool = True) -> Compiled | None:
         # export and the passes leave grad/inference mode, autocast, dtype, RNG as they were
         with preserved_global_state():
@@ -307,12 +374,12 @@ class AmpModule(nn.Module):
 
     def _capture_unguarded(self, args: tuple, kwargs: dict, first: bool) -> Compiled | None:
         model = self._amp_model
-        model.train(self.training)
         try:
-            captured = export_module(model, args, kwargs)
+            captured = export_module(model, args, kwargs, self._amp_path or "model")
         except Exception as exc:  # untraceable code: compile the children on their own
             if first:
                 self._go_eager(f"input not capturable: {exc}" if isinstance(exc, UnsupportedInput)
+                               else str(exc) if isinstance(exc, SideEffect)
                                else f"torch.export failed: {_first_line(exc)}")
             else:
                 warnings.warn(f"ampgraph: {self._amp_path or type(model).__name__} could not be "
@@ -324,7 +391,9 @@ class AmpModule(nn.Module):
                                     keep_io_types=self.amp_config.keep_io_types,
                                     runtime=self._runtime_for(model).ops(self.amp_config.backend),
                                     fp8=self.amp_config.fp8)
+            opaque = bind_opaque_calls(captured.gm, self._prepare_opaque)
         except Exception as exc:
+            release(captured.opaque_keys)
             self._go_eager(f"ampgraph pass failed: {_first_line(exc)}")
             return None
         if self.amp_config.amp_level != "O0" and not any(
@@ -334,7 +403,14 @@ class AmpModule(nn.Module):
                 "compiling it changes nothing", UserWarning, stacklevel=4)
         for transform in self._amp_transforms:
             transform(captured.gm)
-        return Compiled(captured, result.decisions, result.casts, self._runner(captured.gm))
+        return Compiled(captured, result.decisions, result.casts, self._runner(captured.gm),
+                        opaque)
+
+    def _prepare_opaque(self, call: OpaqueCall) -> None:
+        """A submodule cut out of the graph for its hooks runs its own compiled module."""
+        if isinstance(call, ModuleCall):
+            path = f"{self._amp_path}.{call.path}" if self._amp_path else call.path
+            call.runner = self._compile_child(call.module, path)
 
     def _runner(self, gm: fx.GraphModule) -> Any:
         """What forward calls: the graph's code, or with a backend runtime/compiled.py's."""
@@ -361,7 +437,7 @@ class AmpModule(nn.Module):
             stacklevel=4,
         )
         self._amp_eager_reason = reason
-        plan = eager_plan(model, self._amp_path, self._compile_child)
+        plan = EagerPlan(model, self._amp_path, self._compile_child)
         object.__setattr__(self, "_amp_eager", plan)  # not a child: see the class docstring
 
     def _compile_child(self, child: nn.Module, path: str) -> AmpModule:
@@ -381,13 +457,15 @@ class AmpModule(nn.Module):
             >>> [prefix for prefix, _ in graphs], [e.path for e in eager]
             ([''], [])
         """
-        if self._amp_eager is None:
-            last = self._amp_last
-            return ([(self._amp_path, last)] if last is not None else []), []
         graphs: list[tuple[str, Compiled]] = []
-        eager = [EagerPart(self._amp_path or "<root>", type(self._amp_model).__name__,
-                           self._amp_eager_reason or "")]
-        for sub in compiled_children(self._amp_eager, AmpModule):
+        eager: list[EagerPart] = []
+        if self._amp_eager is None:
+            if self._amp_last is not None:
+                graphs.append((self._amp_path, self._amp_last))
+        else:
+            eager.append(EagerPart(self._amp_path or "<root>", type(self._amp_model).__name__,
+                                   self._amp_eager_reason or ""))
+        for sub in self._parts(last_only=True):
             g, e = sub.amp_parts()
             graphs += g
             eager += e

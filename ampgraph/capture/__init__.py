@@ -26,12 +26,13 @@ from ampgraph.capture.export import (
     check_exportable,
     export_module,
     flatten_inputs,
-    quiet_export_logs,
+    repoint_state,
     share_state,
     signature,
     signature_of,
 )
 from ampgraph.capture.hf_caches import register_hf_caches
+from ampgraph.capture.logs import quiet_export_logs
 from ampgraph.capture.state import preserved_global_state
 from ampgraph.capture.structure import flatten_output, unflatten_output
 
@@ -48,6 +49,7 @@ __all__ = [
     "preserved_global_state",
     "quiet_export_logs",
     "register_hf_caches",
+    "repoint_state",
     "share_state",
     "signature",
     "signature_of",

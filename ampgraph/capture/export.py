@@ -5,12 +5,8 @@ any forward signature and output structure work; one :class:`Captured` graph per
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import enum
-import io
-import logging
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,11 +15,9 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 from torch.utils._pytree import tree_flatten
 
-from ampgraph.capture.checkpoints import marked_checkpoints
-from ampgraph.capture.data_reads import traced_data_reads
-from ampgraph.capture.dynamic_dims import dynamic_spec, image_channels, static_retry
+from ampgraph.capture.guards import StateGuards
 from ampgraph.capture.hf_caches import register_hf_caches
-from ampgraph.capture.state import clear_dim_marks, preserved_global_state, unmarked_dims
+from ampgraph.capture.opaque import describe_opaque_nodes
 from ampgraph.capture.structure import (
     Flattener,
     assign_contents,
@@ -35,6 +29,7 @@ from ampgraph.capture.structure import (
     strip_tensors,
     unflatten_output,
 )
+from ampgraph.capture.trace import traced
 from passes.fx.autocast_regions import inline_autocast_off_regions
 from passes.fx.no_grad_regions import inline_no_grad_regions
 
@@ -138,6 +133,10 @@ class Captured:
     writeback: list[tuple[int, Any]] = dataclasses.field(default_factory=list)
     # export's guards on the input sizes, taken out of the graph (see _hoist_guards)
     guards: Any = None
+    # the Python state the trace read (capture/guards.py), checked on every call
+    state: StateGuards | None = None
+    # keys of the calls kept out of the graph (capture/opaque.py), until they are bound
+    opaque_keys: list[int] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.uses_inputs = bool(self.writeback) or spec_uses_inputs(self.out_spec)
@@ -193,27 +192,16 @@ class Captured:
 MAX_GUARDED_SHAPES = 1024
 
 
-def export_module(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
+def export_module(model: nn.Module, args: tuple, kwargs: dict, name: str = "model") -> Captured:
     """Export ``model`` at aten level with dynamic dims (``dynamic_dims.dynamic_spec``: an
     image's static past its batch); raises what torch.export raises, or
-    :class:`UnsupportedInput` without trying it."""
+    :class:`UnsupportedInput` without trying it. The Python state the trace read is
+    guarded (``Captured.state``; ``name`` is the model's name in what the guards report)."""
     register_hf_caches(rescan=True)
     inputs, changed = exportable_inputs((tuple(args), dict(kwargs)))
     check_exportable(*inputs)
     root = ExportRoot(model, changed)
-    # checkpointed calls leave their regions marked (export would inline them unmarked);
-    # a write through a parameter's .data is traced (capture/data_reads.py)
-    tensors = [t for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor)]
-    with (preserved_global_state(), quiet_export_logs(), marked_checkpoints(),
-          traced_data_reads(), unmarked_dims(tensors)):
-        try:
-            ep = torch.export.export(root, inputs, strict=False,
-                                     dynamic_shapes=dynamic_spec(inputs, image_channels(model)))
-        except Exception as exc:
-            if not static_retry(exc):
-                raise
-            clear_dim_marks(tensors)  # else the failed export's marks make them dynamic
-            ep = torch.export.export(root, inputs, strict=False)  # sizes through tensors
+    ep, watch = traced(model, root, inputs, name)  # capture/trace.py: faithfully
     gm = ep.module()
     # The unlifted module checks its inputs' structure and shapes in a forward pre-hook
     # (docs/performance.md#graph-overhead-on-small-models). AmpModule already keys graphs on the
@@ -223,14 +211,16 @@ def export_module(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
     guards = _hoist_guards(gm, flatten_inputs(args, kwargs)[0])
     inline_autocast_off_regions(gm)  # before: a no_grad body holding one is then inlined
     inline_no_grad_regions(gm)
-    _repoint_state(gm, model)
+    repoint_state(gm, model)
     dims = []
     ranges = {str(k): v for k, v in ep.range_constraints.items()}
     for node in gm.graph.nodes:
         if node.op == "placeholder" and isinstance(node.meta.get("val"), torch.Tensor):
             dims.append(tuple(_dim_spec(s, ranges) for s in node.meta["val"].shape))
+    describe_opaque_nodes(gm)
     _, out_spec, writeback = strip_tensors(root.__dict__["_out_spec"]())
-    return Captured(gm, out_spec, dims, writeback, guards)
+    return Captured(gm, out_spec, dims, writeback, guards, StateGuards(model, watch, name),
+                    watch.emitted)
 
 
 class UnsupportedInput(TypeError):
@@ -286,29 +276,6 @@ def _hoist_guards(gm: fx.GraphModule, leaves: list[Any]) -> nn.Module | None:
     return gm._guards_fn
 
 
-@contextlib.contextmanager
-def quiet_export_logs():
-    """Silence torch.export's own chatter: it logs each 0/1 specialisation, and prints the
-    partial graph to stderr when it fails. ampgraph reports failures itself (a warning and
-    ``explain``). Warnings raised meanwhile still reach the user."""
-    names = ("torch._export.non_strict_utils", "torch.fx.experimental.symbolic_shapes",
-             "torch._dynamo", "torch.export")
-    loggers = [logging.getLogger(n) for n in names]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings(record=True) as caught, \
-                contextlib.redirect_stderr(io.StringIO()):
-            warnings.simplefilter("default")
-            yield
-        for w in caught:
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
-
-
 def _dim_spec(size: Any, ranges: dict) -> Any:
     if isinstance(size, int):
         return size
@@ -321,8 +288,23 @@ def _dim_spec(size: Any, ranges: dict) -> Any:
     return (str(expr), lo, hi)
 
 
-def _repoint_state(gm: fx.GraphModule, model: nn.Module) -> None:
-    """Make the graph module use the user's Parameter/buffer objects (master weights)."""
+def repoint_state(gm: fx.GraphModule, model: nn.Module) -> None:
+    """Make the graph module, and the graphs of its outlined regions (``.gm`` of a
+    call's target), use the model's Parameter and buffer objects as they are now (master
+    weights; after :meth:`~ampgraph.capture.guards.StateGuards.changes` found some swapped
+    for like ones).
+
+    Example:
+        >>> repoint_state(captured.gm, model)  # doctest: +SKIP
+    """
+    _repoint_one(gm, model)
+    for node in gm.graph.nodes:
+        sub = getattr(node.target, "gm", None) if node.op == "call_function" else None
+        if isinstance(sub, fx.GraphModule):
+            repoint_state(sub, model)
+
+
+def _repoint_one(gm: fx.GraphModule, model: nn.Module) -> None:
     for name, value in (*model.named_parameters(remove_duplicate=False),
                         *model.named_buffers(remove_duplicate=False)):
         owner_path, _, attr = name.rpartition(".")
@@ -330,11 +312,9 @@ def _repoint_state(gm: fx.GraphModule, model: nn.Module) -> None:
             owner = gm.get_submodule(owner_path) if owner_path else gm
         except AttributeError:
             continue
-        current = owner.__dict__.get("_parameters", {}).get(attr)
-        if current is None:
-            current = owner.__dict__.get("_buffers", {}).get(attr)
-        if current is not None and current is not value:
-            if isinstance(value, nn.Parameter):
-                owner._parameters[attr] = value
-            else:
-                owner._buffers[attr] = value
+        for kind in ("_parameters", "_buffers"):  # the entry's own dict (functional_call
+            held = owner.__dict__.get(kind)       # puts plain tensors in _parameters)
+            if held is not None and held.get(attr) is not None:
+                if held[attr] is not value:
+                    held[attr] = value
+                break

@@ -2,22 +2,26 @@
 with each child compiled on its own (which captures on its first call, with the real
 inputs it receives).
 
-:func:`eager_plan` makes that shallow copy of the model; :class:`EagerPart` is what
-``explain`` lists for each module that stayed eager, with the reason.
+:class:`EagerPlan` runs the model's own ``forward`` on the model itself (its attributes,
+lists and counters are the ones forward updates, every call), with the children of the
+model, and of the containers it holds (``ModuleList``, ``ModuleDict``), swapped for their
+compiled modules for the duration of the call. :class:`EagerPart` is what ``explain`` lists
+for each module that stayed eager, with the reason.
 """
 
 from __future__ import annotations
 
-import copy
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from torch import nn
 
+from ampgraph.capture.hooks import forward_of
+
 M = TypeVar("M", bound=nn.Module)
-_COPIES = "_amp_plan_copies"  # a plan's (copy, original) pairs: its root's and containers'
 
 
 @dataclass
@@ -29,53 +33,61 @@ class EagerPart:
     reason: str
 
 
-def eager_plan(model: nn.Module, path: str,
-               compile_child: Callable[[nn.Module, str], nn.Module]) -> nn.Module:
-    """A shallow copy of ``model`` whose children are ``compile_child(child, child_path)``.
-
-    Containers without a forward of their own (ModuleList, ModuleDict) are copied the
-    same way; a module without children runs as it is, in fp32. ``model`` and its module
-    dicts are left as they are.
+class EagerPlan(nn.Module):
+    """What runs a model export refuses whole; see the module docstring. Its own children
+    are the compiled ones (containers as holders of theirs), for reports and tests; it is
+    never registered inside the model.
 
     Example:
-        >>> plan = eager_plan(model, "", lambda child, path: nn.Identity())
-        >>> plan is not model and plan.fc is not model.fc
+        >>> plan = EagerPlan(model, "", lambda child, path: nn.Identity())
+        >>> plan.fc is not model.fc and model.fc is model._modules["fc"]
         True
     """
-    plan = copy.copy(model)
-    copies = [(plan, model)]  # what follow_modes keeps in the model's train/eval mode
-    children: OrderedDict[str, nn.Module | None] = OrderedDict()
-    for name, child in model._modules.items():
+
+    def __init__(self, model: nn.Module, path: str,
+                 compile_child: Callable[[nn.Module, str], nn.Module]) -> None:
+        super().__init__()
+        self.__dict__["_model"] = model  # not registered: the model is the user's
+        self.__dict__["_swaps"] = swaps = []  # (module, its children while a call runs)
+        self.__dict__["_lock"] = threading.RLock()  # one eager call at a time swaps them
+        self.__dict__["_modules"] = _compiled(model, path, compile_child, swaps)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            saved = [(m, m.__dict__["_modules"]) for m, _ in self._swaps]
+            try:
+                for m, children in self._swaps:
+                    m.__dict__["_modules"] = children
+                return forward_of(self._model)(*args, **kwargs)
+            finally:
+                for m, children in saved:
+                    m.__dict__["_modules"] = children
+
+
+def _compiled(module: nn.Module, path: str, compile_child: Callable[[nn.Module, str], nn.Module],
+              swaps: list) -> OrderedDict:
+    """``module``'s children, each compiled (a container recursed into: its holder); the
+    swaps that install them are appended to ``swaps``."""
+    shown: OrderedDict[str, nn.Module | None] = OrderedDict()
+    installed: OrderedDict[str, nn.Module | None] = OrderedDict()
+    for name, child in module._modules.items():
         sub = f"{path}.{name}" if path else name
         if child is None:
-            children[name] = None
-        elif type(child).forward is nn.Module.forward:
-            children[name] = eager_plan(child, sub, compile_child)
-            copies += children[name].__dict__.pop(_COPIES)
+            shown[name] = installed[name] = None
+        elif type(child).forward is nn.Module.forward:  # a container: its own children
+            holder = object.__new__(type(child))
+            holder.__dict__.update(child.__dict__)
+            holder.__dict__["_modules"] = _compiled(child, sub, compile_child, swaps)
+            shown[name], installed[name] = holder, child
         else:
-            children[name] = compile_child(child, sub)
-    plan.__dict__["_modules"] = children
-    plan.__dict__[_COPIES] = copies
-    return plan
-
-
-def follow_modes(plan: M | None) -> M | None:
-    """``plan`` (None passes), each module it copied in the train/eval mode of its original
-    now: the user may switch the model (``model.train()``) rather than the compiled module.
-
-    Example:
-        >>> model.train(); follow_modes(plan).training  # doctest: +SKIP
-        True
-    """
-    if plan is not None:
-        for copied, original in plan.__dict__[_COPIES]:
-            copied.training = original.training
-    return plan
+            shown[name] = installed[name] = compile_child(child, sub)
+    swaps.append((module, installed))
+    return shown
 
 
 def compiled_children(module: nn.Module, kind: type[M]) -> list[M]:
     """The outermost descendants of ``module`` of type ``kind``: the compiled children of
-    an eager plan, through the containers copied around them.
+    an eager plan, through the containers around them.
 
     Example:
         >>> compiled_children(plan, AmpModule)  # doctest: +SKIP

@@ -115,6 +115,12 @@ FX_GROUPS: tuple[OpGroup, ...] = (
         "aten.fft_ihfftn aten._fft_r2c aten._fft_c2r aten._fft_c2c aten.stft aten.istft",
     ),
     op_group(
+        "opaque", DENY,
+        "a call kept out of the graph (a user's autograd.Function, a submodule with hooks): "
+        "it runs as written, on fp32 inputs as the fp32 model gave it, with its own backward",
+        "ampgraph.opaque",
+    ),
+    op_group(
         "data", CLEAR,
         "moves or selects data without arithmetic: follows its neighbours' precision",
         "aten.view aten.reshape aten._unsafe_view aten.permute aten.transpose aten.t "

@@ -19,11 +19,11 @@ from ampgraph.capture.export import (
     check_exportable,
     export_module,
     flatten_inputs,
-    quiet_export_logs,
     share_state,
     signature,
     signature_of,
 )
+from ampgraph.capture.logs import quiet_export_logs
 
 
 class EvenOdd(nn.Module):

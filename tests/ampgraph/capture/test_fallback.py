@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import ampgraph
-from ampgraph.capture.fallback import compiled_children, eager_plan
+from ampgraph.capture.fallback import EagerPlan, compiled_children
 from tests.helpers import MATMUL_OPS, cosine, record
 
 
@@ -78,16 +78,16 @@ class Marked(nn.Identity):
         self.child, self.path = child, path
 
 
-def test_the_plan_copies_containers_and_compiles_each_child_with_its_path():
+def test_the_plan_holds_containers_and_compiles_each_child_with_its_path():
     model = DataDependent()
     model.add_module("unused", None)
     before = dict(model._modules)
-    plan = eager_plan(model, "net", Marked)
-    assert plan is not model and type(plan) is DataDependent
+    plan = EagerPlan(model, "net", Marked)
+    assert plan is not model and [m for m in plan.modules() if m is model] == []
     assert plan.embed.child is model.embed and plan.embed.path == "net.embed"
     assert plan.head.path == "net.head"
     assert isinstance(plan.blocks, nn.ModuleList) and plan.blocks is not model.blocks, \
-        "a container without a forward is copied, its children compiled"
+        "a container without a forward is held, its children compiled"
     assert [b.path for b in plan.blocks] == ["net.blocks.0", "net.blocks.1", "net.blocks.2"]
     assert [b.child for b in plan.blocks] == list(model.blocks)
     assert plan._modules["unused"] is None
@@ -96,15 +96,37 @@ def test_the_plan_copies_containers_and_compiles_each_child_with_its_path():
 
 
 def test_a_root_path_names_children_plainly_and_a_leaf_runs_as_it_is():
-    plan = eager_plan(DataDependent(), "", Marked)
+    plan = EagerPlan(DataDependent(), "", Marked)
     assert plan.embed.path == "embed" and plan.blocks[1].path == "blocks.1"
     leaf = nn.Linear(2, 2)
-    alone = eager_plan(leaf, "", Marked)
-    assert alone is not leaf and alone.weight is leaf.weight and not list(alone.children())
+    alone = EagerPlan(leaf, "", Marked)
+    x = torch.randn(3, 2)
+    assert not list(alone.children()) and torch.equal(alone(x), leaf(x))
+
+
+def test_the_plan_runs_the_models_own_code_on_the_model_with_compiled_children():
+    """Plain attributes forward sets land on the user's model (a counter, a kept value),
+    and its children are the compiled ones only during the call."""
+
+    class Counting(DataDependent):
+        calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            self.seen = [type(b).__name__ for b in self.blocks]
+            return super().forward(x)
+
+    model = Counting()
+    plan = EagerPlan(model, "", lambda child, path: Marked(child, path))
+    for _ in range(3):
+        plan(torch.randn(2, 8))
+    assert model.calls == 3 and model.seen == ["Marked"] * 3
+    assert [type(b).__name__ for b in model.blocks] == ["Block"] * 3 \
+        and type(model.embed) is nn.Linear, "the model's own children are back after the call"
 
 
 def test_compiled_children_are_the_outermost_of_their_kind():
-    plan = eager_plan(DataDependent(), "", Marked)
+    plan = EagerPlan(DataDependent(), "", Marked)
     found = compiled_children(plan, Marked)
     assert [m.path for m in found] == ["embed", "blocks.0", "blocks.1", "blocks.2", "head"]
     nested = Marked(nn.Sequential(Marked(nn.Identity(), "inner")), "outer")
