@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import logging
 import threading
 import warnings
 from collections import OrderedDict
@@ -34,9 +33,12 @@ from ampgraph.capture import (
     share_state,
     signature_of,
 )
+from ampgraph.capture.export import StateNotCapturable
 from ampgraph.capture.fallback import EagerPart, EagerPlan, compiled_children
 from ampgraph.capture.generate import route_method
+from ampgraph.capture.guards import Recaptures
 from ampgraph.capture.hooks import ModuleCall, call_with_hooks, forward_of, has_untraced_hooks
+from ampgraph.capture.numbers import Numbers, as_tensors, given_as_tensors, number_positions
 from ampgraph.capture.opaque import OpaqueCall, bind_opaque_calls, release
 from ampgraph.capture.side_effects import SideEffect
 from ampgraph.capture.state import AUTOCAST_DEVICES
@@ -49,8 +51,6 @@ from passes.fx.calibration import observe_magnitudes, overflowing
 from passes.policy import NA, LevelPolicy
 
 MAX_GRAPHS_PER_SIGNATURE = 8
-RECAPTURE_LIMIT = 8  # captures again for changed state per input structure (dynamo's limit)
-_log = logging.getLogger("ampgraph")
 MAX_REFUSED_SHAPES = 1024  # input shapes export refused, remembered so as not to retry
 
 
@@ -66,6 +66,34 @@ def _autocast_off() -> contextlib.ExitStack:
         if torch.is_autocast_enabled(device):
             stack.enter_context(torch.autocast(device, enabled=False))
     return stack
+
+
+@dataclass
+class CaptureFailure:
+    """A capture that failed, not acted on yet: when the eager model takes the same inputs,
+    :meth:`commit` makes the module fall back (the first capture of an input structure,
+    or a pass failure: for good) or run those input shapes eagerly, and says why."""
+
+    net: AmpModule
+    reason: str  # for explain, when the module falls back
+    short: str = ""  # for the warning, when only these input shapes run eagerly
+    whole: bool = False  # a pass failed: the module falls back whatever the inputs
+    first: bool = True  # no graph of this input structure yet
+    shapes: tuple = ()  # (key, input shapes) refused when not first
+
+    def commit(self) -> None:
+        net = self.net
+        with net._amp_lock:
+            if net._amp_eager is not None:
+                return
+            if self.first or self.whole:
+                net._go_eager(self.reason)
+                return
+            if len(net._amp_refused) < MAX_REFUSED_SHAPES:
+                net._amp_refused.add(self.shapes)
+        warnings.warn(f"ampgraph: {net._amp_path or type(net._amp_model).__name__} could not "
+                      f"be captured for these input shapes ({self.short}); calls with them run "
+                      "eagerly in fp32", UserWarning, stacklevel=5)
 
 
 @dataclass
@@ -107,8 +135,8 @@ class AmpModule(nn.Module):
     _amp_runtime: Runtime | None  # made for the model's device on the first capture
     _amp_transforms: list[Callable[[fx.GraphModule], Any]]  # see add_graph_transform
     _amp_refused: set[tuple]  # (key, input shapes) export refused: these run eagerly
-    _amp_recaptures: dict[tuple, int]  # key -> captures again because its guards failed
-    _amp_churned: set[tuple]  # keys past RECAPTURE_LIMIT: they run eagerly
+    _amp_recaptures: Recaptures  # captures again because guards failed, per input structure
+    _amp_numbers: dict[tuple, Numbers]  # per input structure less numbers: what they did
     _amp_forward: Callable[..., Any] | None  # forward with the model's signature
     _amp_training: bool  # the mode nn.Module.__init__ sets, before the model is attached
 
@@ -135,8 +163,8 @@ class AmpModule(nn.Module):
         self._amp_runtime = None
         self._amp_transforms = []
         self._amp_refused = set()
-        self._amp_recaptures = {}
-        self._amp_churned = set()
+        self._amp_recaptures = Recaptures(path or "the model")
+        self._amp_numbers = {}
         self._amp_forward = signed_forward(model, AmpModule._run)
 
     # -- nn.Module plumbing -------------------------------------------------------------
@@ -248,7 +276,7 @@ class AmpModule(nn.Module):
             children = self._parts()
             self._amp_graphs.clear()
             self._amp_recaptures.clear()
-            self._amp_churned.clear()
+            self._amp_numbers.clear()
             for child in children:
                 child.drop_graphs()
 
@@ -270,21 +298,36 @@ class AmpModule(nn.Module):
     # -- execution ------------------------------------------------------------------------
 
     def _run(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():  # under torch.compile(net): the graphs stay ours
+            return _outside_dynamo()(self, *args, **kwargs)
         if _autocast_on():  # the graph's casts are the precision: autocast must not re-cast
             with _autocast_off():
                 return self._run(*args, **kwargs)
+        return self._run_hooked(*args, **kwargs)
+
+    def _run_hooked(self, *args: Any, **kwargs: Any) -> Any:
         model = self._amp_model
         if has_untraced_hooks(model):  # the user's model's own hooks, around the graph
             return call_with_hooks(model, self._run_graph, args, kwargs)
         return self._run_graph(*args, **kwargs)
 
     def _run_graph(self, *args: Any, **kwargs: Any) -> Any:
-        compiled = self.compiled_for(args, kwargs)
+        compiled = self._select(args, kwargs)
+        if isinstance(compiled, CaptureFailure):
+            out = forward_of(self._amp_model)(*args, **kwargs)  # the user's error raises here
+            compiled.commit()  # eager took the inputs: the model cannot be captured for them
+            return out
         if compiled is None:  # eager for good, or for these inputs (compiled_for)
             if self._amp_eager is not None:
                 return self._amp_eager(*args, **kwargs)
             return forward_of(self._amp_model)(*args, **kwargs)
-        flat = compiled.runner(tuple(args), dict(kwargs))
+        given = (args, kwargs) if not compiled.captured.numbers else as_tensors(
+            args, kwargs, compiled.captured.numbers)
+        try:
+            flat = compiled.runner(tuple(given[0]), dict(given[1]))
+        except Exception as exc:  # the user's error, in eager's words, if eager rejects them too
+            _raise_eager_error(self._amp_model, args, kwargs, exc)
+            raise
         return compiled.captured.rebuild(flat, args, kwargs)
 
     forward = SignedForward(_run)
@@ -299,6 +342,16 @@ class AmpModule(nn.Module):
             >>> net.compiled_for((torch.randn(8, 64),), {}).casts  # doctest: +SKIP
             4
         """
+        found = self._select(args, kwargs)
+        if isinstance(found, CaptureFailure):
+            found.commit()
+            return None
+        return found
+
+    def _select(self, args: tuple, kwargs: dict) -> Compiled | CaptureFailure | None:
+        """:meth:`compiled_for`, a failed capture returned uncommitted: ``forward`` runs the
+        eager model first, and an input it rejects too is the user's error, not a reason
+        to give up on the model (``CaptureFailure``)."""
         with self._amp_lock:
             if self._amp_eager is not None:
                 return None
@@ -307,85 +360,93 @@ class AmpModule(nn.Module):
             except Exception as exc:  # e.g. a cache whose layer types its flatten refuses
                 self._go_eager(f"inputs cannot be flattened: {_first_line(exc)}")
                 return None
-            key = (self.training, signature_of(leaves, spec))
-            graphs = self._amp_graphs.setdefault(key, [])
-            stale = None
-            for compiled in graphs:
-                if compiled.captured.accepts_leaves(leaves):
-                    state = compiled.captured.state
-                    if state is None or state.check():
-                        object.__setattr__(self, "_amp_last", compiled)
-                        return compiled
-                    stale = stale or compiled
-            if stale is not None:
-                if self._took_changes(stale):
-                    object.__setattr__(self, "_amp_last", stale)
-                    return stale
-                if key in self._amp_churned:
-                    return None
-            # other shapes of this structure captured: only these run eagerly if refused
-            shapes = (key, tuple(t.shape for t in leaves if isinstance(t, torch.Tensor)))
-            if shapes in self._amp_refused:
+            numbers = self._numbers(leaves, spec)
+            sym = tuple(sorted(numbers.symbolic)) if numbers else ()
+            found = self._cached(leaves, spec, sym)
+            if found is not False:
+                return found
+            if numbers is not None and numbers.note(leaves):  # a number took a new value
+                tried = tuple(sorted(numbers.symbolic))
+                found = self._cached(leaves, spec, tried)
+                if found is not False:
+                    return found
+                compiled = self._capture_for(args, kwargs, leaves, spec, tried)
+                if not isinstance(compiled, CaptureFailure):
+                    return compiled
+                numbers.refuse(frozenset(tried) - frozenset(sym))  # it stays a constant
+            if numbers is not None and not numbers.constant_capture(
+                    self._amp_path or "the model", leaves, spec):
                 return None
-            compiled = self._capture(args, kwargs, first=not graphs)
-            if compiled is None:
-                if graphs and len(self._amp_refused) < MAX_REFUSED_SHAPES:
-                    self._amp_refused.add(shapes)
-                return None
-            graphs.insert(0, compiled)
-            del graphs[MAX_GRAPHS_PER_SIGNATURE:]
-            object.__setattr__(self, "_amp_last", compiled)
-            return compiled
+            return self._capture_for(args, kwargs, leaves, spec, sym)
 
-    def _took_changes(self, stale: Compiled) -> bool:
-        """Whether ``stale``'s graph can take what changed since its capture (tensors
-        swapped for like ones: it is pointed at them; values assigned again equal); if
-        not, the change is noted as a reason to capture again, and past
-        ``RECAPTURE_LIMIT`` recaptures of this mode and input structure, its calls run
-        eagerly, with a warning naming what kept changing."""
-        state = stale.captured.state
-        changes = state.changes()
-        if all(c.rebindable for c in changes):
-            state.rebind([lambda: repoint_state(stale.captured.gm, self._amp_model)])
-            return True
-        key = next(k for k, v in self._amp_graphs.items() if stale in v)
-        if key in self._amp_churned:
-            return False
-        count = self._amp_recaptures[key] = self._amp_recaptures.get(key, 0) + 1
-        what = "; ".join(str(c) for c in changes[:4]) + ("; ..." if len(changes) > 4 else "")
-        if count > RECAPTURE_LIMIT:
-            self._amp_churned.add(key)
-            warnings.warn(
-                f"ampgraph: {self._amp_path or type(self._amp_model).__name__} was captured "
-                f"again {count - 1} times for the same input structure because the Python "
-                f"state its graph depends on changed ({what}); calls with these inputs now "
-                "run eagerly in fp32. Keep such state fixed between calls, or make a value "
-                "that changes every call a tensor (a buffer) or an argument "
-                "(docs/faithfulness.md)", UserWarning, stacklevel=5)
-        else:
-            _log.info("ampgraph: capturing %s again: %s",
-                      self._amp_path or type(self._amp_model).__name__, what)
+    def _numbers(self, leaves: list, spec: Any) -> Numbers | None:
+        """What this input structure's number arguments did (None: it takes none)."""
+        positions = number_positions(leaves)
+        if not positions:
+            return None
+        key = (self.training, signature_of(leaves, spec, positions))
+        numbers = self._amp_numbers.get(key)
+        if numbers is None:
+            numbers = self._amp_numbers[key] = Numbers()
+        return numbers
+
+    def _cached(self, leaves: list, spec: Any, sym: tuple) -> Compiled | None | bool:
+        """The cached graph that takes these inputs (the numbers at ``sym`` as inputs) in
+        the model's present state; None: run eagerly; False: none, capture one."""
+        key = (self.training, signature_of(leaves, spec, sym))
+        graphs = self._amp_graphs.get(key, ())
+        given = given_as_tensors(leaves, sym)
+        stale = None
+        for compiled in graphs:
+            if compiled.captured.accepts_leaves(given):
+                state = compiled.captured.state
+                if state is None or state.check():
+                    object.__setattr__(self, "_amp_last", compiled)
+                    return compiled
+                stale = stale or compiled
+        if stale is not None:
+            state = stale.captured.state
+            if state.take(lambda: repoint_state(stale.captured.gm, self._amp_model)):
+                object.__setattr__(self, "_amp_last", stale)
+                return stale
+            if self._amp_recaptures.exhausted(key, state.changes()):
+                return None
+        # other shapes of this structure captured: only these run eagerly if refused
+        if (key, _shapes(leaves)) in self._amp_refused:
+            return None
         return False
 
-    def _capture(self, args: tuple, kwargs: dict, first: bool = True) -> Compiled | None:
+    def _capture_for(self, args: tuple, kwargs: dict, leaves: list, spec: Any,
+                     sym: tuple) -> Compiled | CaptureFailure:
+        key = (self.training, signature_of(leaves, spec, sym))
+        graphs = self._amp_graphs.setdefault(key, [])
+        compiled = self._capture(args, kwargs, sym)
+        if isinstance(compiled, CaptureFailure):
+            if not graphs:
+                del self._amp_graphs[key]
+            compiled.first, compiled.shapes = not graphs, (key, _shapes(leaves))
+            return compiled
+        graphs.insert(0, compiled)
+        del graphs[MAX_GRAPHS_PER_SIGNATURE:]
+        object.__setattr__(self, "_amp_last", compiled)
+        return compiled
+
+    def _capture(self, args: tuple, kwargs: dict, numbers: tuple = ()
+                 ) -> Compiled | CaptureFailure:
         # export and the passes leave grad/inference mode, autocast, dtype, RNG as they were
         with preserved_global_state():
-            return self._capture_unguarded(args, kwargs, first)
+            return self._capture_unguarded(args, kwargs, numbers)
 
-    def _capture_unguarded(self, args: tuple, kwargs: dict, first: bool) -> Compiled | None:
+    def _capture_unguarded(self, args: tuple, kwargs: dict, numbers: tuple
+                           ) -> Compiled | CaptureFailure:
         model = self._amp_model
         try:
-            captured = export_module(model, args, kwargs, self._amp_path or "model")
+            captured = export_module(model, args, kwargs, self._amp_path or "model", numbers)
         except Exception as exc:  # untraceable code: compile the children on their own
-            if first:
-                self._go_eager(f"input not capturable: {exc}" if isinstance(exc, UnsupportedInput)
-                               else str(exc) if isinstance(exc, SideEffect)
-                               else f"torch.export failed: {_first_line(exc)}")
-            else:
-                warnings.warn(f"ampgraph: {self._amp_path or type(model).__name__} could not be "
-                              f"captured for these input shapes ({_first_line(exc)}); calls "
-                              "with them run eagerly in fp32", UserWarning, stacklevel=5)
-            return None
+            reason = (f"input not capturable: {exc}" if isinstance(exc, UnsupportedInput)
+                      else str(exc) if isinstance(exc, (SideEffect, StateNotCapturable))
+                      else f"torch.export failed: {_first_line(exc)}")
+            return CaptureFailure(self, reason, _first_line(exc))
         try:
             result = run_amp_passes(captured.gm, self._amp_policy, self.amp_dtype,
                                     keep_io_types=self.amp_config.keep_io_types,
@@ -394,13 +455,12 @@ class AmpModule(nn.Module):
             opaque = bind_opaque_calls(captured.gm, self._prepare_opaque)
         except Exception as exc:
             release(captured.opaque_keys)
-            self._go_eager(f"ampgraph pass failed: {_first_line(exc)}")
-            return None
+            return CaptureFailure(self, f"ampgraph pass failed: {_first_line(exc)}", whole=True)
         if self.amp_config.amp_level != "O0" and not any(
                 d.precision != NA for d in result.decisions.values() if d.cls):
             warnings.warn(
                 f"ampgraph: {self._amp_path or type(model).__name__} has no floating-point ops; "
-                "compiling it changes nothing", UserWarning, stacklevel=4)
+                "compiling it changes nothing", UserWarning, stacklevel=5)
         for transform in self._amp_transforms:
             transform(captured.gm)
         return Compiled(captured, result.decisions, result.casts, self._runner(captured.gm),
@@ -470,6 +530,42 @@ class AmpModule(nn.Module):
             graphs += g
             eager += e
         return graphs, eager
+
+
+def _outside_dynamo() -> Callable[..., Any]:
+    """``AmpModule._run`` as dynamo's graph break: ``torch.compile`` of a compiled module
+    (or of a model holding one) runs it as it is, its graphs ampgraph's, not traced into
+    an inductor graph (made on first use: dynamo is imported only once it traces)."""
+    if not _DISABLED:
+        import torch._dynamo
+
+        def run(net: AmpModule, *args: Any, **kwargs: Any) -> Any:
+            if _autocast_on():
+                with _autocast_off():
+                    return run(net, *args, **kwargs)
+            return net._run_hooked(*args, **kwargs)
+
+        _DISABLED.append(torch._dynamo.disable(run, recursive=True))
+    return _DISABLED[0]
+
+
+_DISABLED: list[Callable[..., Any]] = []
+
+
+def _shapes(leaves: list) -> tuple:
+    return tuple(t.shape for t in leaves if isinstance(t, torch.Tensor))
+
+
+def _raise_eager_error(model: nn.Module, args: tuple, kwargs: dict, exc: Exception) -> None:
+    """The graph raised ``exc``: raise what the eager model raises for the same inputs (a
+    wrong dtype reads as the user's model would say it, not with the graph's bf16); return
+    when eager takes them (``exc`` is then ampgraph's to raise)."""
+    try:
+        with torch.no_grad():
+            forward_of(model)(*args, **kwargs)
+    except Exception as eager:
+        raise eager from None
+    exc.add_note("ampgraph: the eager model takes these inputs; please report this failure")
 
 
 def _first_line(exc: BaseException) -> str:

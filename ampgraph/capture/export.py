@@ -17,6 +17,7 @@ from torch.utils._pytree import tree_flatten
 
 from ampgraph.capture.guards import StateGuards
 from ampgraph.capture.hf_caches import register_hf_caches
+from ampgraph.capture.numbers import as_numbers, as_tensors
 from ampgraph.capture.opaque import describe_opaque_nodes
 from ampgraph.capture.structure import (
     Flattener,
@@ -31,6 +32,7 @@ from ampgraph.capture.structure import (
 )
 from ampgraph.capture.trace import traced
 from passes.fx.autocast_regions import inline_autocast_off_regions
+from passes.fx.fold.constant_casts import FOLDED_KEY
 from passes.fx.no_grad_regions import inline_no_grad_regions
 
 
@@ -44,11 +46,12 @@ class ExportRoot(nn.Module):
     originals back.
     """
 
-    def __init__(self, model: nn.Module, changed: Any = None):
+    def __init__(self, model: nn.Module, changed: Any = None, numbers: tuple[int, ...] = ()):
         super().__init__()
         share_state(self, model)
         self.__dict__["_amp_model"] = model
         self.__dict__["_amp_changed"] = changed
+        self.__dict__["_amp_numbers"] = numbers  # leaves given as 0-d tensors
         box: dict[str, Any] = {}
         # torch.export restores container attributes the forward mutates, so the output
         # spec goes to a box only a closure can see.
@@ -57,6 +60,8 @@ class ExportRoot(nn.Module):
 
     def forward(self, args: tuple, kwargs: dict) -> tuple:
         args, kwargs = restored_inputs((args, kwargs), self.__dict__["_amp_changed"])
+        if self.__dict__["_amp_numbers"]:  # the model gets symbolic numbers
+            args, kwargs = as_numbers(args, kwargs, self.__dict__["_amp_numbers"])
         objs = custom_objects((args, kwargs))
         before = [pytree.tree_flatten(o) for o in objs]
         out = self.__dict__["_amp_model"](*args, **kwargs)
@@ -103,12 +108,15 @@ def flatten_inputs(args: tuple, kwargs: dict) -> tuple[list[Any], Any]:
 _TENSOR_ARGS_SPECS: dict[int, Any] = {}
 
 
-def signature_of(leaves: list[Any], spec: Any) -> Any:
-    """:func:`signature` from already flattened inputs."""
+def signature_of(leaves: list[Any], spec: Any, numbers: Any = ()) -> Any:
+    """:func:`signature` from already flattened inputs; the leaves at ``numbers`` count by
+    their type only (graph inputs, ``capture/numbers.py``)."""
     parts = []
-    for leaf in leaves:
+    for i, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor):
             parts.append(("T", leaf.dtype, leaf.device, leaf.dim()))
+        elif numbers and i in numbers:
+            parts.append(("N", type(leaf)))
         else:
             try:
                 hash(leaf)
@@ -137,6 +145,8 @@ class Captured:
     state: StateGuards | None = None
     # keys of the calls kept out of the graph (capture/opaque.py), until they are bound
     opaque_keys: list[int] = dataclasses.field(default_factory=list)
+    # positions of the number arguments the graph takes as 0-d tensors (capture/numbers.py)
+    numbers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         self.uses_inputs = bool(self.writeback) or spec_uses_inputs(self.out_spec)
@@ -192,16 +202,22 @@ class Captured:
 MAX_GUARDED_SHAPES = 1024
 
 
-def export_module(model: nn.Module, args: tuple, kwargs: dict, name: str = "model") -> Captured:
+def export_module(model: nn.Module, args: tuple, kwargs: dict, name: str = "model",
+                  numbers: tuple[int, ...] = ()) -> Captured:
     """Export ``model`` at aten level with dynamic dims (``dynamic_dims.dynamic_spec``: an
     image's static past its batch); raises what torch.export raises, or
     :class:`UnsupportedInput` without trying it. The Python state the trace read is
-    guarded (``Captured.state``; ``name`` is the model's name in what the guards report)."""
+    guarded (``Captured.state``; ``name`` is the model's name in what the guards report).
+    The number arguments at the leaf positions ``numbers`` become inputs of the graph
+    (``capture/numbers.py``)."""
     register_hf_caches(rescan=True)
+    if numbers:
+        args, kwargs = as_tensors(tuple(args), dict(kwargs), numbers)
     inputs, changed = exportable_inputs((tuple(args), dict(kwargs)))
     check_exportable(*inputs)
-    root = ExportRoot(model, changed)
+    root = ExportRoot(model, changed, numbers)
     ep, watch = traced(model, root, inputs, name)  # capture/trace.py: faithfully
+    _check_tensor_reads(model, watch, name)
     gm = ep.module()
     # The unlifted module checks its inputs' structure and shapes in a forward pre-hook
     # (docs/performance.md#graph-overhead-on-small-models). AmpModule already keys graphs on the
@@ -220,7 +236,29 @@ def export_module(model: nn.Module, args: tuple, kwargs: dict, name: str = "mode
     describe_opaque_nodes(gm)
     _, out_spec, writeback = strip_tensors(root.__dict__["_out_spec"]())
     return Captured(gm, out_spec, dims, writeback, guards, StateGuards(model, watch, name),
-                    watch.emitted)
+                    watch.emitted, numbers)
+
+
+class StateNotCapturable(TypeError):
+    """Forward reads state a graph cannot hold (a tensor attribute that requires grad): the
+    module runs its own code eagerly, with this as the reason."""
+
+
+def _check_tensor_reads(model: nn.Module, watch: Any, name: str) -> None:
+    """Raise :class:`StateNotCapturable` when forward read a plain tensor attribute that
+    requires grad (a weight a pre-forward hook computes, as the deprecated
+    ``torch.nn.utils.spectral_norm`` and ``weight_norm`` do): export would detach it into
+    a constant, and its gradient would be lost. That module then runs its own code."""
+    paths = {id(m.__dict__): f"{name}.{p}" if p else name for p, m in model.named_modules()}
+    for d, attr, value in watch.reads.values():
+        if isinstance(value, torch.Tensor) and value.requires_grad \
+                and not isinstance(value, nn.Parameter):
+            raise StateNotCapturable(
+                f"forward reads {paths.get(id(d), '?')}.{attr}, a tensor attribute that requires "
+                "grad but is neither a Parameter nor a buffer (a weight computed by a hook: "
+                "torch.nn.utils.spectral_norm, weight_norm); a graph would hold it as a "
+                "constant and lose its gradient. torch.nn.utils.parametrizations computes "
+                "such weights in the graph")
 
 
 class UnsupportedInput(TypeError):
@@ -288,33 +326,45 @@ def _dim_spec(size: Any, ranges: dict) -> Any:
     return (str(expr), lo, hi)
 
 
-def repoint_state(gm: fx.GraphModule, model: nn.Module) -> None:
+def repoint_state(gm: fx.GraphModule, model: nn.Module) -> bool:
     """Make the graph module, and the graphs of its outlined regions (``.gm`` of a
-    call's target), use the model's Parameter and buffer objects as they are now (master
-    weights; after :meth:`~ampgraph.capture.guards.StateGuards.changes` found some swapped
-    for like ones).
+    call's target), use the model's tensors as they are now: its Parameters and buffers
+    (master weights) and the plain tensor attributes export read as constants (after
+    :meth:`~ampgraph.capture.guards.StateGuards.changes` found some swapped for like ones:
+    ``functional_call``, a pre-forward hook assigning a module's weight). False when a
+    changed constant was folded into the graph (it must be captured again).
 
     Example:
         >>> repoint_state(captured.gm, model)  # doctest: +SKIP
+        True
     """
-    _repoint_one(gm, model)
+    ok = _repoint_one(gm, model)
     for node in gm.graph.nodes:
         sub = getattr(node.target, "gm", None) if node.op == "call_function" else None
         if isinstance(sub, fx.GraphModule):
-            repoint_state(sub, model)
+            ok = repoint_state(sub, model) and ok
+    return ok
 
 
-def _repoint_one(gm: fx.GraphModule, model: nn.Module) -> None:
-    for name, value in (*model.named_parameters(remove_duplicate=False),
-                        *model.named_buffers(remove_duplicate=False)):
-        owner_path, _, attr = name.rpartition(".")
+def _repoint_one(gm: fx.GraphModule, model: nn.Module) -> bool:
+    folded = gm.meta.get(FOLDED_KEY, ())
+    ok = True
+    for path, module in model.named_modules(remove_duplicate=False):
         try:
-            owner = gm.get_submodule(owner_path) if owner_path else gm
+            owner = gm.get_submodule(path) if path else gm
         except AttributeError:
             continue
-        for kind in ("_parameters", "_buffers"):  # the entry's own dict (functional_call
-            held = owner.__dict__.get(kind)       # puts plain tensors in _parameters)
-            if held is not None and held.get(attr) is not None:
-                if held[attr] is not value:
-                    held[attr] = value
-                break
+        for kind in ("_parameters", "_buffers", "__dict__"):
+            mine = module._parameters if kind == "_parameters" else \
+                module._buffers if kind == "_buffers" else module.__dict__
+            held = owner.__dict__ if kind == "__dict__" else owner.__dict__.get(kind)
+            for attr, value in mine.items():
+                if not isinstance(value, torch.Tensor) or held is None:
+                    continue
+                current = held.get(attr)  # the entry's own dict (functional_call puts
+                if current is None or current is value:  # plain tensors in _parameters)
+                    continue
+                held[attr] = value
+                if kind == "__dict__" and f"{path}.{attr}".lstrip(".") in folded:
+                    ok = False
+    return ok

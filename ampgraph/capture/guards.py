@@ -29,9 +29,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import operator
 import types
-from collections.abc import Callable, Iterable
+import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -197,8 +199,7 @@ class StateGuards:
             now = d[key]
             if now is expected or _equal_plain(now, expected):
                 continue  # an equal value assigned again: rebind() takes it
-            rebindable = _like_tensors(now, expected) and label.endswith(
-                ("_parameters", "_buffers"))
+            rebindable = _like_tensors(now, expected)  # a parameter, buffer or tensor read
             out.append(Change(_entry(label, key), _describe(expected, now), rebindable))
         for d in (*self._counted, *self._hook_dicts):
             before = {k for dd, k, _ in entries if dd is d}
@@ -240,12 +241,19 @@ class StateGuards:
 
     # -- taking the new state ----------------------------------------------------------------
 
-    def rebind(self, targets: Iterable[Callable[[], None]] = ()) -> None:
+    def take(self, repoint: Callable[[], bool]) -> bool:
+        """After a failed :meth:`check`: whether the graph can take what changed (tensors
+        swapped for like ones, which ``repoint`` points it at, if it can; values assigned
+        again equal), taken as the captured state; False when it is stale."""
+        if not all(c.rebindable for c in self.changes()) or not repoint():
+            return False
+        self.rebind()
+        return True
+
+    def rebind(self) -> None:
         """Take the current state as the captured one: after the graph was pointed at
-        tensors swapped for like ones (``targets`` do that first), or when the changes
-        were values assigned again equal."""
-        for fn in targets:
-            fn()
+        tensors swapped for like ones, or when the changes were values assigned again
+        equal."""
         self._plain_values = list(map(_getitem, self._plain_dicts, self._plain_keys))
         self._tensor_values = list(map(_getitem, self._tensor_dicts, self._tensor_keys))
         self._tensor_ids = list(map(id, self._tensor_values))  # held: ids stay unique
@@ -266,6 +274,49 @@ class StateGuards:
                 + len(self._unswapped))
 
 
+RECAPTURE_LIMIT = 8  # captures again per input structure, as dynamo's recompile_limit
+
+
+class Recaptures:
+    """How often a module was captured again because its guards failed, per input
+    structure; past :data:`RECAPTURE_LIMIT` that structure runs eagerly, with a warning
+    naming what kept changing.
+
+    Example:
+        >>> recaptures = Recaptures("model")
+        >>> recaptures.exhausted(key, [Change("model.t", "1.0 -> 2.0")])
+        False
+    """
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self._counts: dict[Any, int] = {}
+        self._exhausted: set[Any] = set()
+
+    def exhausted(self, key: Any, changes: list[Change]) -> bool:
+        """Note a recapture of ``key`` for ``changes``; whether ``key`` now runs eagerly."""
+        if key in self._exhausted:
+            return True
+        count = self._counts[key] = self._counts.get(key, 0) + 1
+        what = "; ".join(str(c) for c in changes[:4]) + ("; ..." if len(changes) > 4 else "")
+        if count <= RECAPTURE_LIMIT:
+            _log.info("ampgraph: capturing %s again: %s", self.where, what)
+            return False
+        self._exhausted.add(key)
+        warnings.warn(
+            f"ampgraph: {self.where} was captured again {RECAPTURE_LIMIT} times for the same "
+            f"input structure because the Python state its graph depends on changed ({what}); "
+            "calls with these inputs now run eagerly in fp32. Keep such state fixed between "
+            "calls, or make a value that changes every call a tensor (a buffer) or an "
+            "argument (docs/faithfulness.md)", UserWarning, stacklevel=6)
+        return True
+
+    def clear(self) -> None:
+        self._counts.clear()
+        self._exhausted.clear()
+
+
+_log = logging.getLogger("ampgraph")
 _MISSING = object()
 
 

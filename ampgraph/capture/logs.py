@@ -9,10 +9,13 @@ import logging
 import warnings
 from collections.abc import Iterator
 
-# torch.export's chatter: 0/1 specialisations, the partial graph when it fails, and the
-# fake-tensor kernels' tracebacks of a shape error
-EXPORT_LOGGERS = ("torch._export.non_strict_utils", "torch.fx.experimental.symbolic_shapes",
-                  "torch._dynamo", "torch.export", "torch._subclasses.fake_tensor")
+# torch.export's chatter (0/1 specialisations, the partial graph when it fails), kept to
+# errors, and the tracebacks the fake-tensor kernels log (as errors) for a shape error
+# export raises anyway (a user's wrong input: eager raises it again, and that is all)
+EXPORT_LOGGERS = {"torch._export.non_strict_utils": logging.ERROR,
+                  "torch.fx.experimental.symbolic_shapes": logging.ERROR,
+                  "torch._dynamo": logging.ERROR, "torch.export": logging.ERROR,
+                  "torch._subclasses.fake_tensor": logging.CRITICAL + 1}
 
 
 @contextlib.contextmanager
@@ -26,8 +29,8 @@ def quiet_export_logs() -> Iterator[None]:
     """
     loggers = [logging.getLogger(n) for n in EXPORT_LOGGERS]
     levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
+    for lg, level in zip(loggers, EXPORT_LOGGERS.values()):
+        lg.setLevel(level)
     try:
         with warnings.catch_warnings(record=True) as caught, \
                 contextlib.redirect_stderr(io.StringIO()):

@@ -28,7 +28,7 @@ from passes.fx.cast_factory import Caster
 from passes.fx.dtypes import dtype_of, float_dtypes, orig_dtype
 from passes.fx.nodes import FLOATS, is_view
 from passes.fx.propagate import UNKNOWN, DtypeTracker, graph_fake_mode
-from passes.fx.rules import KEEP, Rules, input_slots, mutated_slots
+from passes.fx.rules import KEEP, Rules, input_slots, mutated_slots, slot_value
 from passes.paint import Decision
 from passes.policy import LOW
 
@@ -147,7 +147,7 @@ def _recast_after_writes(graph: fx.Graph) -> int:
     writes: dict[fx.Node, list[int]] = {}  # base tensor -> positions of writes into it
     for node in visiting(nodes):
         for slot in mutated_slots(node):
-            arg = node.args[slot] if slot < len(node.args) else None
+            arg = slot_value(node, slot)
             if isinstance(arg, fx.Node):
                 writes.setdefault(_base(arg), []).append(position[node])
     added = 0

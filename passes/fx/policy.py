@@ -115,10 +115,28 @@ FX_GROUPS: tuple[OpGroup, ...] = (
         "aten.fft_ihfftn aten._fft_r2c aten._fft_c2r aten._fft_c2c aten.stft aten.istft",
     ),
     op_group(
-        "opaque", DENY,
+        FP32_ONLY, DENY,
         "a call kept out of the graph (a user's autograd.Function, a submodule with hooks): "
         "it runs as written, on fp32 inputs as the fp32 model gave it, with its own backward",
         "ampgraph.opaque",
+    ),
+    op_group(
+        FP32_ONLY, DENY,
+        "linear algebra (factorisations, solves, inverses, matrix exponentials): no 16-bit "
+        "kernels on the CPU, and the precision they exist for; fp32 at every level",
+        "aten.linalg_householder_product aten.orgqr aten.ormqr aten.geqrf aten.linalg_qr "
+        "aten.qr aten.linalg_matrix_exp aten.matrix_exp aten.linalg_solve aten.linalg_solve_ex "
+        "aten._linalg_solve_ex aten.linalg_inv aten.linalg_inv_ex aten.inverse "
+        "aten.linalg_eigh aten._linalg_eigh aten.linalg_eig aten.linalg_eigvals "
+        "aten.linalg_eigvalsh aten.linalg_svd aten._linalg_svd aten.svd aten.linalg_svdvals "
+        "aten.linalg_cholesky aten.linalg_cholesky_ex aten.cholesky aten.cholesky_solve "
+        "aten.cholesky_inverse aten.linalg_det aten._linalg_det aten.det aten.logdet "
+        "aten.linalg_slogdet aten._linalg_slogdet aten.slogdet aten.linalg_lu "
+        "aten.linalg_lu_factor aten.linalg_lu_factor_ex aten.linalg_lu_solve aten.lu_unpack "
+        "aten.triangular_solve aten.linalg_solve_triangular aten.linalg_lstsq "
+        "aten.linalg_pinv aten.pinverse aten.linalg_matrix_power aten.matrix_power "
+        "aten.linalg_matrix_rank aten.linalg_cond aten.linalg_ldl_factor "
+        "aten.linalg_ldl_factor_ex aten.linalg_ldl_solve",
     ),
     op_group(
         "data", CLEAR,

@@ -20,12 +20,14 @@ from passes.policy import FP32, LOW
 
 KEEP = "keep"  # an input taken as it is
 
-# OpOverload -> written argument positions (schemas never change; overloads are interned).
-_MUTATED: dict[Any, tuple[int, ...]] = {}
+# OpOverload -> written argument slots (schemas never change; overloads are interned).
+_MUTATED: dict[Any, tuple[int | str, ...]] = {}
 
 
-def mutated_slots(node: fx.Node) -> tuple[int, ...]:
-    """The argument positions an in-place op writes (``()`` for any other node).
+def mutated_slots(node: fx.Node) -> tuple[int | str, ...]:
+    """The argument slots an in-place or ``out=`` op writes (``()`` for any other node),
+    as :func:`input_slots` names them: a position, or the name of a keyword-only
+    argument (``out`` of ``aten.div.out``, which spectral norm's power iteration calls).
 
     Example:
         >>> mutated_slots(add_node)  # aten.add_.Tensor
@@ -38,9 +40,21 @@ def mutated_slots(node: fx.Node) -> tuple[int, ...]:
     if slots is None:
         schema = op_schema(t)
         slots = _MUTATED[t] = () if not schema.is_mutable else tuple(
-            i for i, a in enumerate(schema.arguments)
+            a.name if a.kwarg_only else i for i, a in enumerate(schema.arguments)
             if a.alias_info is not None and a.alias_info.is_write)
     return slots
+
+
+def slot_value(node: fx.Node, slot: int | str) -> Any:
+    """The argument of ``node`` at ``slot`` (a position or a keyword), None if not given.
+
+    Example:
+        >>> slot_value(div_out_node, "out")  # doctest: +SKIP
+        buf
+    """
+    if isinstance(slot, str):
+        return node.kwargs.get(slot)
+    return node.args[slot] if slot < len(node.args) else None
 
 
 def required_dtype(node: fx.Node, slot: int | str, arg: fx.Node, low: torch.dtype) -> Any:
@@ -103,7 +117,8 @@ class Rule:
         if mutated:
             if slot in mutated:
                 return KEEP
-            return dtype_of(self.node.args[mutated[0]]) or KEEP
+            written = slot_value(self.node, mutated[0])
+            return (dtype_of(written) if isinstance(written, fx.Node) else None) or KEEP
         if slot in self.fixed:
             return orig
         if slot == 0 and self.io is not None:

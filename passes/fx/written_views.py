@@ -17,7 +17,7 @@ from torch import fx
 
 from passes._infra import visiting
 from passes.fx.nodes import is_view
-from passes.fx.rules import mutated_slots
+from passes.fx.rules import mutated_slots, slot_value
 from passes.policy import FP32
 
 REASON = ("writes a parameter, buffer or input in place through views of it: runs on the "
@@ -33,9 +33,10 @@ def written_source_path(node: fx.Node) -> list[fx.Node]:
         [detach]
     """
     slots = mutated_slots(node)
-    if not slots or not isinstance(node.args[slots[0]], fx.Node):
+    value = slot_value(node, slots[0]) if slots else None
+    if not isinstance(value, fx.Node):
         return []
-    path, value = [], node.args[slots[0]]
+    path = []
     while is_view(value):
         path.append(value)
         value = value.args[0]

@@ -25,6 +25,9 @@ aten = torch.ops.aten
 # ops between a constant and its cast that only copy or alias it
 PASS_THROUGH = {aten.lift_fresh_copy.default, aten.detach.default, aten.alias.default,
                 aten.clone.default}
+# gm.meta[FOLDED_KEY]: the constants read through a copy made here (a module's plain
+# tensor attribute the model later assigns again cannot be swapped into such a graph)
+FOLDED_KEY = "amp_folded_constants"
 # a constant up to this size gets a folded copy (the graph's constants are scalars and
 # empty tensors; a large one would double its memory for one cast a call)
 MAX_NUMEL = 1 << 16
@@ -55,6 +58,7 @@ def fold_constant_casts(gm: fx.GraphModule, recompile: bool = True) -> PassResul
             read.meta.update({k: v for k, v in cast.meta.items() if k != "amp_cast"})
             read.meta["amp_reason"] = f"{source.target} cast once, when the graph was rewritten"
             folded[key] = read
+            gm.meta.setdefault(FOLDED_KEY, set()).add(source.target)
         cast.replace_all_uses_with(read)
         gm.graph.erase_node(cast)
         modified = True
