@@ -105,6 +105,7 @@ class Compiled:
     casts: int
     runner: Any = None  # what forward calls: the graph's code, or its compiled_runner
     opaque: list = field(default_factory=list)  # its calls kept out of the graph, bound
+    ran: bool = False  # it ran once: a later error is not one of the inputs it was made for
 
     @property
     def gm(self) -> fx.GraphModule:
@@ -326,9 +327,20 @@ class AmpModule(nn.Module):
         try:
             flat = compiled.runner(tuple(given[0]), dict(given[1]))
         except Exception as exc:  # the user's error, in eager's words, if eager rejects them too
+            if not compiled.ran:  # a graph captured for inputs nothing can run is dropped
+                self._forget(compiled)
             _raise_eager_error(self._amp_model, args, kwargs, exc)
             raise
+        compiled.ran = True
         return compiled.captured.rebuild(flat, args, kwargs)
+
+    def _forget(self, compiled: Compiled) -> None:
+        with self._amp_lock:
+            for key, graphs in list(self._amp_graphs.items()):
+                if compiled in graphs:
+                    graphs.remove(compiled)
+                    if not graphs:
+                        del self._amp_graphs[key]
 
     forward = SignedForward(_run)
 
@@ -401,6 +413,8 @@ class AmpModule(nn.Module):
             if compiled.captured.accepts_leaves(given):
                 state = compiled.captured.state
                 if state is None or state.check():
+                    if stale is not None:  # the state went back to this graph's
+                        self._state_changed(graphs, compiled)
                     object.__setattr__(self, "_amp_last", compiled)
                     return compiled
                 stale = stale or compiled
@@ -411,10 +425,22 @@ class AmpModule(nn.Module):
                 return stale
             if self._amp_recaptures.exhausted(key, state.changes()):
                 return None
+            self._state_changed(graphs, None)
         # other shapes of this structure captured: only these run eagerly if refused
         if (key, _shapes(leaves)) in self._amp_refused:
             return None
         return False
+
+    def _state_changed(self, graphs: list, now: Compiled | None) -> None:
+        """The model's state is no longer the last graph's: ``now`` (a graph whose state it
+        is again, or None: one is captured) goes first, and the kept weight copies are
+        dropped (the weights may have changed through ``.data`` too, which no version
+        counter shows: PEFT's ``merge_adapter``)."""
+        if now is not None:
+            graphs.remove(now)
+            graphs.insert(0, now)
+        if self._amp_runtime is not None:
+            self._amp_runtime.clear()
 
     def _capture_for(self, args: tuple, kwargs: dict, leaves: list, spec: Any,
                      sym: tuple) -> Compiled | CaptureFailure:

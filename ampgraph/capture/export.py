@@ -5,8 +5,10 @@ any forward signature and output structure work; one :class:`Captured` graph per
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -216,7 +218,8 @@ def export_module(model: nn.Module, args: tuple, kwargs: dict, name: str = "mode
     inputs, changed = exportable_inputs((tuple(args), dict(kwargs)))
     check_exportable(*inputs)
     root = ExportRoot(model, changed, numbers)
-    ep, watch = traced(model, root, inputs, name)  # capture/trace.py: faithfully
+    with _parameters_as_parameters(model):  # torch.func.functional_call's plain tensors
+        ep, watch = traced(model, root, inputs, name)  # capture/trace.py: faithfully
     _check_tensor_reads(model, watch, name)
     gm = ep.module()
     # The unlifted module checks its inputs' structure and shapes in a forward pre-hook
@@ -237,6 +240,24 @@ def export_module(model: nn.Module, args: tuple, kwargs: dict, name: str = "mode
     _, out_spec, writeback = strip_tensors(root.__dict__["_out_spec"]())
     return Captured(gm, out_spec, dims, writeback, guards, StateGuards(model, watch, name),
                     watch.emitted, numbers)
+
+
+@contextlib.contextmanager
+def _parameters_as_parameters(model: nn.Module) -> Iterator[None]:
+    """Within the block, plain tensors in parameter slots (``torch.func.functional_call``
+    puts them there) are Parameters sharing their data: export takes only Parameters as
+    parameters. The graph is pointed at the tensors themselves afterwards."""
+    swapped = []
+    for m in model.modules():
+        for k, t in m._parameters.items():
+            if t is not None and not isinstance(t, nn.Parameter):
+                swapped.append((m._parameters, k, t))
+                m._parameters[k] = nn.Parameter(t.detach(), requires_grad=t.requires_grad)
+    try:
+        yield
+    finally:
+        for params, k, t in swapped:
+            params[k] = t
 
 
 class StateNotCapturable(TypeError):
