@@ -5,10 +5,8 @@ any forward signature and output structure work; one :class:`Captured` graph per
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import enum
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +31,7 @@ from ampgraph.capture.structure import (
     unflatten_output,
 )
 from ampgraph.capture.trace import traced
+from ampgraph.capture.watch import active
 from passes.fx.autocast_regions import inline_autocast_off_regions
 from passes.fx.fold.constant_casts import FOLDED_KEY
 from passes.fx.no_grad_regions import inline_no_grad_regions
@@ -66,7 +65,11 @@ class ExportRoot(nn.Module):
             args, kwargs = as_numbers(args, kwargs, self.__dict__["_amp_numbers"])
         objs = custom_objects((args, kwargs))
         before = [pytree.tree_flatten(o) for o in objs]
-        out = self.__dict__["_amp_model"](*args, **kwargs)
+        model = self.__dict__["_amp_model"]
+        out = model(*args, **kwargs)
+        watch = active()
+        if watch is not None:  # what stood in for its tensors: a cache of them is no leak
+            watch.own.update(map(id, (*model.parameters(), *model.buffers())))
         flattener = Flattener(objs)
         spec = flattener.walk(out)
         writeback = []
@@ -149,10 +152,15 @@ class Captured:
     opaque_keys: list[int] = dataclasses.field(default_factory=list)
     # positions of the number arguments the graph takes as 0-d tensors (capture/numbers.py)
     numbers: tuple[int, ...] = ()
+    model: Any = None  # the module exported (its tensors, for repoint)
 
     def __post_init__(self) -> None:
         self.uses_inputs = bool(self.writeback) or spec_uses_inputs(self.out_spec)
         self._guarded: set[tuple] = set()  # input shapes the guards passed
+
+    def repoint(self) -> bool:
+        """Point the graph at the model's tensors as they are now (:func:`repoint_state`)."""
+        return repoint_state(self.gm, self.model)
 
     def rebuild(self, flat: Any, args: tuple, kwargs: dict) -> Any:
         """The user's output structure from the graph's flat outputs; inputs the model
@@ -218,9 +226,7 @@ def export_module(model: nn.Module, args: tuple, kwargs: dict, name: str = "mode
     inputs, changed = exportable_inputs((tuple(args), dict(kwargs)))
     check_exportable(*inputs)
     root = ExportRoot(model, changed, numbers)
-    with _parameters_as_parameters(model):  # torch.func.functional_call's plain tensors
-        ep, watch = traced(model, root, inputs, name)  # capture/trace.py: faithfully
-    _check_tensor_reads(model, watch, name)
+    ep, watch = traced(model, root, inputs, name)  # capture/trace.py: faithfully
     gm = ep.module()
     # The unlifted module checks its inputs' structure and shapes in a forward pre-hook
     # (docs/performance.md#graph-overhead-on-small-models). AmpModule already keys graphs on the
@@ -239,47 +245,7 @@ def export_module(model: nn.Module, args: tuple, kwargs: dict, name: str = "mode
     describe_opaque_nodes(gm)
     _, out_spec, writeback = strip_tensors(root.__dict__["_out_spec"]())
     return Captured(gm, out_spec, dims, writeback, guards, StateGuards(model, watch, name),
-                    watch.emitted, numbers)
-
-
-@contextlib.contextmanager
-def _parameters_as_parameters(model: nn.Module) -> Iterator[None]:
-    """Within the block, plain tensors in parameter slots (``torch.func.functional_call``
-    puts them there) are Parameters sharing their data: export takes only Parameters as
-    parameters. The graph is pointed at the tensors themselves afterwards."""
-    swapped = []
-    for m in model.modules():
-        for k, t in m._parameters.items():
-            if t is not None and not isinstance(t, nn.Parameter):
-                swapped.append((m._parameters, k, t))
-                m._parameters[k] = nn.Parameter(t.detach(), requires_grad=t.requires_grad)
-    try:
-        yield
-    finally:
-        for params, k, t in swapped:
-            params[k] = t
-
-
-class StateNotCapturable(TypeError):
-    """Forward reads state a graph cannot hold (a tensor attribute that requires grad): the
-    module runs its own code eagerly, with this as the reason."""
-
-
-def _check_tensor_reads(model: nn.Module, watch: Any, name: str) -> None:
-    """Raise :class:`StateNotCapturable` when forward read a plain tensor attribute that
-    requires grad (a weight a pre-forward hook computes, as the deprecated
-    ``torch.nn.utils.spectral_norm`` and ``weight_norm`` do): export would detach it into
-    a constant, and its gradient would be lost. That module then runs its own code."""
-    paths = {id(m.__dict__): f"{name}.{p}" if p else name for p, m in model.named_modules()}
-    for d, attr, value in watch.reads.values():
-        if isinstance(value, torch.Tensor) and value.requires_grad \
-                and not isinstance(value, nn.Parameter):
-            raise StateNotCapturable(
-                f"forward reads {paths.get(id(d), '?')}.{attr}, a tensor attribute that requires "
-                "grad but is neither a Parameter nor a buffer (a weight computed by a hook: "
-                "torch.nn.utils.spectral_norm, weight_norm); a graph would hold it as a "
-                "constant and lose its gradient. torch.nn.utils.parametrizations computes "
-                "such weights in the graph")
+                    watch.emitted, numbers, model)
 
 
 class UnsupportedInput(TypeError):

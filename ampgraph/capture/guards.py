@@ -28,11 +28,8 @@ is stale: ``AmpModule`` captures again (bounded) or runs the call eagerly, and s
 from __future__ import annotations
 
 import copy
-import dataclasses
-import logging
 import operator
 import types
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -40,12 +37,21 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from ampgraph.capture.changes import (
+    HOOK_DICTS,
+    MISSING,
+    STATE_DICTS,
+    Change,
+    describe,
+    entry,
+    like_tensors,
+    short,
+    where,
+)
 from ampgraph.capture.watch import Watch, original_class
 
 # the hook dicts a module call reads (the ``*_with_kwargs`` and ``always_called`` dicts only
 # hold keys of entries in these)
-HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
-STATE_DICTS = ("_modules", "_parameters", "_buffers")
 MAX_OBJECT_DEPTH = 4  # plain objects held by plain objects (a config's sub-configs)
 
 _getitem = operator.getitem
@@ -62,18 +68,6 @@ def global_flags() -> tuple:
 
 GLOBAL_FLAG_NAMES = ("torch.get_default_dtype()", "torch.are_deterministic_algorithms_enabled()",
                      "torch.backends.mha.get_fastpath_enabled()")
-
-
-@dataclasses.dataclass
-class Change:
-    """One difference between the state a graph was captured with and the state now."""
-
-    where: str  # e.g. "model.temperature", "model.encoder.layer.3 forward hooks"
-    what: str  # e.g. "1.0 -> 4.0"
-    rebindable: bool = False  # a tensor swapped for a like one: the graph can take it
-
-    def __str__(self) -> str:
-        return f"{self.where}: {self.what}"
 
 
 class StateGuards:
@@ -194,18 +188,18 @@ class StateGuards:
         for d, key, expected in entries:
             label = self._labels.get(id(d), "?")
             if key not in d:
-                out.append(Change(_entry(label, key), "removed"))
+                out.append(Change(entry(label, key), "removed"))
                 continue
             now = d[key]
             if now is expected or _equal_plain(now, expected):
                 continue  # an equal value assigned again: rebind() takes it
-            rebindable = _like_tensors(now, expected)  # a parameter, buffer or tensor read
-            out.append(Change(_entry(label, key), _describe(expected, now), rebindable))
+            rebindable = like_tensors(now, expected)  # a parameter, buffer or tensor read
+            out.append(Change(entry(label, key), describe(expected, now), rebindable))
         for d in (*self._counted, *self._hook_dicts):
             before = {k for dd, k, _ in entries if dd is d}
             for key in d.keys() - before:
-                out.append(Change(_entry(self._labels.get(id(d), "?"), key),
-                                  f"added ({_short(d[key])})"))
+                out.append(Change(entry(self._labels.get(id(d), "?"), key),
+                                  f"added ({short(d[key])})"))
         for m, cls in zip(self._modules, self._classes):
             if type(m) is not cls:
                 out.append(Change(self._labels.get(id(m.__dict__), "?"),
@@ -213,11 +207,11 @@ class StateGuards:
         for t, dtype, device in zip(self._tensors, self._dtypes, self._devices):
             if t.dtype != dtype or t.get_device() != device:
                 out.append(Change(self._tensor_label(t),
-                                  f"{_where(dtype, device)} -> {_where(t.dtype, t.get_device())}"))
+                                  f"{where(dtype, device)} -> {where(t.dtype, t.get_device())}"))
         for d, key in zip(self._absent_dicts, self._absent_keys):
             if key in d:
                 out.append(Change(f"{self._labels.get(id(d), '?')}.{key}",
-                                  f"set ({_short(d[key])}); forward found none when captured"))
+                                  f"set ({short(d[key])}); forward found none when captured"))
         for name, before, after in zip(GLOBAL_FLAG_NAMES, self._flags, global_flags()):
             if before != after:
                 out.append(Change(name, f"{before} -> {after}"))
@@ -225,9 +219,9 @@ class StateGuards:
             for key in sorted(set(obj.__dict__) | set(snap), key=str):
                 if key in _MODULE_OWN:
                     continue
-                a, b = snap.get(key, _MISSING), obj.__dict__.get(key, _MISSING)
+                a, b = snap.get(key, MISSING), obj.__dict__.get(key, MISSING)
                 if not _same_value(a, b):
-                    out.append(Change(f"{label}.{key}", _describe(a, b)))
+                    out.append(Change(f"{label}.{key}", describe(a, b)))
         for label, obj, snap in self._contents:
             if not _same_contents(obj, snap):
                 out.append(Change(label, "contents changed in place"))
@@ -236,7 +230,7 @@ class StateGuards:
     def _tensor_label(self, t: torch.Tensor) -> str:
         for d, key, value in zip(self._tensor_dicts, self._tensor_keys, self._tensor_values):
             if value is t:
-                return _entry(self._labels.get(id(d), "?"), key)
+                return entry(self._labels.get(id(d), "?"), key)
         return "a parameter"
 
     # -- taking the new state ----------------------------------------------------------------
@@ -274,50 +268,6 @@ class StateGuards:
                 + len(self._unswapped))
 
 
-RECAPTURE_LIMIT = 8  # captures again per input structure, as dynamo's recompile_limit
-
-
-class Recaptures:
-    """How often a module was captured again because its guards failed, per input
-    structure; past :data:`RECAPTURE_LIMIT` that structure runs eagerly, with a warning
-    naming what kept changing.
-
-    Example:
-        >>> recaptures = Recaptures("model")
-        >>> recaptures.exhausted(key, [Change("model.t", "1.0 -> 2.0")])
-        False
-    """
-
-    def __init__(self, where: str) -> None:
-        self.where = where
-        self._counts: dict[Any, int] = {}
-        self._exhausted: set[Any] = set()
-
-    def exhausted(self, key: Any, changes: list[Change]) -> bool:
-        """Note a recapture of ``key`` for ``changes``; whether ``key`` now runs eagerly."""
-        if key in self._exhausted:
-            return True
-        count = self._counts[key] = self._counts.get(key, 0) + 1
-        what = "; ".join(str(c) for c in changes[:4]) + ("; ..." if len(changes) > 4 else "")
-        if count <= RECAPTURE_LIMIT:
-            _log.info("ampgraph: capturing %s again: %s", self.where, what)
-            return False
-        self._exhausted.add(key)
-        warnings.warn(
-            f"ampgraph: {self.where} was captured again {RECAPTURE_LIMIT} times for the same "
-            f"input structure because the Python state its graph depends on changed ({what}); "
-            "calls with these inputs now run eagerly in fp32. Keep such state fixed between "
-            "calls, or make a value that changes every call a tensor (a buffer) or an "
-            "argument (docs/faithfulness.md)", UserWarning, stacklevel=6)
-        return True
-
-    def clear(self) -> None:
-        self._counts.clear()
-        self._exhausted.clear()
-
-
-_log = logging.getLogger("ampgraph")
-_MISSING = object()
 
 
 def _unique_modules(model: nn.Module, name: str) -> list[tuple[str, nn.Module]]:
@@ -408,52 +358,3 @@ def _equal_plain(a: Any, b: Any) -> bool:
     return type(a) is type(b) and isinstance(a, (bool, int, float, str, type(None))) and a == b
 
 
-def _like_tensors(a: Any, b: Any) -> bool:
-    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
-            and _kind(a) is _kind(b) and a.shape == b.shape and a.dtype == b.dtype
-            and a.device == b.device)
-
-
-def _kind(t: torch.Tensor) -> type:
-    """A tensor's class, a Parameter counting as a plain tensor (``functional_call``
-    substitutes plain tensors for parameters)."""
-    cls = type(t)
-    return torch.Tensor if cls is nn.Parameter else cls
-
-
-def _entry(label: str, key: Any) -> str:
-    """``model.a _parameters`` + ``weight`` -> ``model.a.weight``."""
-    path, _, kind = label.rpartition(" ")
-    if kind in STATE_DICTS:
-        return f"{path}.{key}"
-    if kind in HOOK_DICTS:
-        return f"{path} {kind.strip('_').replace('_', ' ')}"
-    return f"{label}.{key}"
-
-
-def _short(value: Any) -> str:
-    if isinstance(value, nn.Parameter):
-        return f"a Parameter {tuple(value.shape)}"
-    if isinstance(value, torch.Tensor):
-        return f"a tensor {tuple(value.shape)}"
-    if isinstance(value, nn.Module):
-        return f"a {type(value).__name__}"
-    if callable(value):
-        return getattr(value, "__qualname__", type(value).__name__)
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-def _describe(before: Any, after: Any) -> str:
-    if before is _MISSING:
-        return f"added ({_short(after)})"
-    if after is _MISSING:
-        return "removed"
-    if isinstance(before, (nn.Module, torch.Tensor)) or isinstance(after, (nn.Module,
-                                                                        torch.Tensor)):
-        return f"{_short(before)} replaced by {_short(after)}"
-    return f"{_short(before)} -> {_short(after)}"
-
-
-def _where(dtype: torch.dtype, device: int) -> str:
-    return f"{str(dtype).removeprefix('torch.')} on {'cpu' if device < 0 else f'cuda:{device}'}"

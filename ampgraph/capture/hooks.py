@@ -138,6 +138,9 @@ class ModuleCall(OpaqueCall):
                         untraced_hooks(module)})
         super().__init__(f"{path} ({', '.join(kinds)})", args, kwargs)
 
+    def prepare(self, compile_module: Callable[[Any, str], Any], prefix: str) -> None:
+        self.runner = compile_module(self.module, f"{prefix}.{self.path}" if prefix else self.path)
+
     def run(self, args: tuple, kwargs: dict) -> Any:
         if self.runner is None:  # an unbound graph (calibration): the module in eager
             return self.module(*args, **kwargs)

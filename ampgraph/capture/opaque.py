@@ -73,6 +73,10 @@ class OpaqueCall:
 
     # -- what runs --------------------------------------------------------------------------
 
+    def prepare(self, compile_module: Callable[[Any, str], Any], prefix: str) -> None:
+        """Before the graph is bound: a call that runs a module gets its compiled module
+        (``compile_module(module, path)``, ``prefix`` the graph's module path)."""
+
     def run(self, args: tuple, kwargs: dict) -> Any:
         raise NotImplementedError
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import types
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -59,6 +60,8 @@ class Effect:
     where: str  # "model.log", "the global LOG of ...forward"
     owners: tuple[nn.Module, ...]  # whose attribute, or whose forward's global or closure
     leak: bool  # the new state holds fake tensors or symbolic values
+    key: tuple = ()  # ("attr", id(module), name) or ("held", id(container)): what to put back
+    value: Any = None  # the new value (an attribute's, written or found; a container)
 
     def __str__(self) -> str:
         return f"{self.where} {'got traced values' if self.leak else 'changed'}"
@@ -113,22 +116,30 @@ class StateSnapshot:
                     continue
                 if _replaced_by_copy(before, after):  # export's own restoration
                     continue
-                out.append(Effect(f"{label}.{k}", (m,), _traced(after)))
+                out.append(Effect(f"{label}.{k}", (m,), _traced(after), ("attr", id(m), k),
+                                  after))
         for where, owners, obj, contents in self._held.values():
             if not _same_contents(obj, contents):
-                out.append(Effect(where, owners, _traced(obj)))
+                out.append(Effect(where, owners, _traced(obj), ("held", id(obj)), obj))
         return out
 
-    def restore(self) -> None:
+    def restore(self, effects: list[Effect] | None = None) -> None:
         """Put the state back as it was: attributes, and the contents of the containers
-        (the user's own objects, where export left copies)."""
-        for _, _, obj, contents in self._held.values():
-            _set_contents(obj, contents)
+        (the user's own objects, where export left copies); with ``effects``, only what
+        they changed (one-time initialisations stay)."""
+        keys = None if effects is None else {e.key for e in effects}
+        for key, (_, _, obj, contents) in self._held.items():
+            if keys is None or ("held", key) in keys:
+                _set_contents(obj, contents)
         for _, m, attrs in self._attrs:
             now = m.__dict__
-            for k in [k for k in now if k not in MODULE_STATE and k not in attrs]:
-                del now[k]
-            now.update(attrs)
+            names = [k for k in now if k not in MODULE_STATE] if keys is None else [
+                k for kind, mid, k in (e for e in keys if e and e[0] == "attr") if mid == id(m)]
+            for k in names:
+                if k in attrs:
+                    now[k] = attrs[k]
+                else:
+                    now.pop(k, None)
 
     def keep_containers(self) -> None:
         """Undo only export's copies: the user's objects back in their modules (with
@@ -195,36 +206,53 @@ def _replaced_by_copy(before: Any, after: Any) -> bool:
         a is b for a, b in zip(old, new)) and not (len(old) == 1 and old[0] is before)
 
 
-def _traced(value: Any, depth: int = 0) -> bool:
-    """Whether ``value`` holds a fake tensor or a symbolic value (a bounded search)."""
-    if isinstance(value, FakeTensor) or isinstance(value, _SYMBOLIC):
+def _traced(value: Any, own: set[int] = frozenset(), depth: int = 0) -> bool:
+    """Whether ``value`` holds a fake tensor or a symbolic value (a bounded search); the
+    fake tensors whose ids are in ``own`` do not count."""
+    if isinstance(value, weakref.ref):  # nn.LSTM's _flat_weight_refs
+        value = value()
+    if isinstance(value, FakeTensor):
+        return id(value) not in own
+    if isinstance(value, _SYMBOLIC):
         return True
     if depth > 3:
         return False
     if isinstance(value, dict):
-        return any(_traced(v, depth + 1) for v in list(value.values())[:64])
+        return any(_traced(v, own, depth + 1) for v in list(value.values())[:64])
     if isinstance(value, (list, tuple, set)):
-        return any(_traced(v, depth + 1) for v in list(value)[:64])
+        return any(_traced(v, own, depth + 1) for v in list(value)[:64])
     return False
+
+
+def own_caches(effects: list[Effect], own: set[int], snap: StateSnapshot) -> list[Effect]:
+    """``effects`` less the caches of the model's own tensors: a change whose new value
+    holds only the fake tensors that stood in for the model's parameters and buffers
+    (``nn.LSTM``'s ``_flat_weights``, rebuilt from its parameters on every call) is put
+    back at once and is no side effect."""
+    kept, caches = [], []
+    for e in effects:
+        (caches if _traced(e.value) and not _traced(e.value, own) else kept).append(e)
+    if caches:
+        snap.restore(caches)
+    return kept
 
 
 def write_effects(writes: dict, labels: dict[int, str]) -> list[Effect]:
     """The attributes forward assigned (``Watch.writes``; torch.export silently put those
     of submodules back), as effects of their modules."""
     out = []
-    for (_, name), (module, _, value) in writes.items():
-        now = module.__dict__.get(name, _MISSING)
-        if value is not DELETED and now is not _MISSING and _equal_plain(now, value):
+    for (_, name), (module, _, value, before) in writes.items():
+        if value is not DELETED and _equal_plain(before, value):
             continue  # the same value again (a mode flag set on every call)
         where = f"{labels.get(id(module), type(module).__name__)}.{name}"
-        out.append(Effect(where, (module,), _traced(value)))
+        out.append(Effect(where, (module,), _traced(value), ("attr", id(module), name), value))
     return out
 
 
 def reapply(writes: dict) -> None:
     """Put back the plain values forward assigned (export reverts them), as eager's first
     call leaves them: a lazy initialisation is then done."""
-    for module, name, value in writes.values():
+    for module, name, value, _ in writes.values():
         if value is DELETED:
             module.__dict__.pop(name, None)
         elif not _traced(value) and name not in (module.__dict__.get("_parameters") or ()) \

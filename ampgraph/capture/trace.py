@@ -13,7 +13,10 @@ Around ``torch.export.export`` (non-strict), in this order:
   whose forward changes it on every call is cut out of the graph and the model exported
   again; a change that recurs in the exported module's own state, a global or a closure,
   or a hook registered on a traced tensor, raises :class:`SideEffect` (that module then
-  runs its own code eagerly, ``AmpModule``'s fallback).
+  runs its own code eagerly, ``AmpModule``'s fallback);
+- plain tensors in parameter slots (``torch.func.functional_call``) are exported as
+  Parameters, and a tensor attribute forward read that requires grad but is neither a
+  Parameter nor a buffer raises :class:`StateNotCapturable` (its gradient would be lost).
 
 An export that fails on a guard over a size that went through a tensor is tried again
 with static sizes (``dynamic_dims.static_retry``).
@@ -21,6 +24,8 @@ with static sizes (``dynamic_dims.static_retry``).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -36,6 +41,7 @@ from ampgraph.capture.opaque import release
 from ampgraph.capture.side_effects import (
     SideEffect,
     StateSnapshot,
+    own_caches,
     reapply,
     traced_tensor_hooks,
     write_effects,
@@ -52,6 +58,13 @@ def traced(model: nn.Module, root: nn.Module, inputs: tuple, name: str) -> tuple
     export that produced it (its reads, its opaque calls); raises what export raises, or
     :class:`SideEffect`. The model's Python state is as eager's first call would leave it
     (one-time initialisation kept, traced values never)."""
+    with _parameters_as_parameters(model):  # torch.func.functional_call's plain tensors
+        ep, watch = _traced(model, root, inputs, name)
+    _check_tensor_reads(model, watch, name)
+    return ep, watch
+
+
+def _traced(model: nn.Module, root: nn.Module, inputs: tuple, name: str) -> tuple[Any, Watch]:
     tensors = [t for t in torch.utils._pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor)]
     first = snap = StateSnapshot(model, name)
     labels = {id(m): f"{name}.{p}" if p else name for p, m in model.named_modules()}
@@ -74,7 +87,8 @@ def traced(model: nn.Module, root: nn.Module, inputs: tuple, name: str) -> tuple
             _cut_or_raise(model, cut, {o for e in effects for o in e.owners}, _what(effects),
                           exc)
             continue
-        effects = snap.effects() + write_effects(watch.writes, labels)
+        effects = own_caches(snap.effects() + write_effects(watch.writes, labels), watch.own,
+                             snap)
         if not effects:
             snap.keep_containers()
             return ep, watch
@@ -85,7 +99,7 @@ def traced(model: nn.Module, root: nn.Module, inputs: tuple, name: str) -> tuple
             reapply(watch.writes)
             snap = StateSnapshot(model, name)
             continue
-        first.restore()
+        first.restore(effects if init_kept else None)  # what happens once stays done
         _cut_or_raise(model, cut, {o for e in effects for o in e.owners}, _what(effects))
         snap = first = StateSnapshot(model, name)
     raise SideEffect(f"forward kept changing Python state after {MAX_ROUNDS} exports")
@@ -127,4 +141,44 @@ def _export(model: nn.Module, root: nn.Module, inputs: tuple, tensors: list[torc
             raise
 
 
-__all__ = ["MAX_ROUNDS", "SideEffect", "traced"]
+@contextlib.contextmanager
+def _parameters_as_parameters(model: nn.Module) -> Iterator[None]:
+    """Within the block, plain tensors in parameter slots (``torch.func.functional_call``
+    puts them there) are Parameters sharing their data: export takes only Parameters as
+    parameters. The graph is pointed at the tensors themselves afterwards."""
+    swapped = []
+    for m in model.modules():
+        for k, t in m._parameters.items():
+            if t is not None and not isinstance(t, nn.Parameter):
+                swapped.append((m._parameters, k, t))
+                m._parameters[k] = nn.Parameter(t.detach(), requires_grad=t.requires_grad)
+    try:
+        yield
+    finally:
+        for params, k, t in swapped:
+            params[k] = t
+
+
+class StateNotCapturable(TypeError):
+    """Forward reads state a graph cannot hold (a tensor attribute that requires grad): the
+    module runs its own code eagerly, with this as the reason."""
+
+
+def _check_tensor_reads(model: nn.Module, watch: Any, name: str) -> None:
+    """Raise :class:`StateNotCapturable` when forward read a plain tensor attribute that
+    requires grad (a weight a pre-forward hook computes, as the deprecated
+    ``torch.nn.utils.spectral_norm`` and ``weight_norm`` do): export would detach it into
+    a constant, and its gradient would be lost. That module then runs its own code."""
+    paths = {id(m.__dict__): f"{name}.{p}" if p else name for p, m in model.named_modules()}
+    for d, attr, value in watch.reads.values():
+        if isinstance(value, torch.Tensor) and value.requires_grad \
+                and not isinstance(value, nn.Parameter):
+            raise StateNotCapturable(
+                f"forward reads {paths.get(id(d), '?')}.{attr}, a tensor attribute that requires "
+                "grad but is neither a Parameter nor a buffer (a weight computed by a hook: "
+                "torch.nn.utils.spectral_norm, weight_norm); a graph would hold it as a "
+                "constant and lose its gradient. torch.nn.utils.parametrizations computes "
+                "such weights in the graph")
+
+
+__all__ = ["MAX_ROUNDS", "SideEffect", "StateNotCapturable", "traced"]

@@ -57,16 +57,20 @@ class Watch:
         self.unswapped: list[nn.Module] = []  # modules whose class could not be swapped
         self.emitted: list[int] = []  # keys of the opaque calls emitted (capture/opaque.py)
         self.stack: list[nn.Module] = []  # the modules being called, innermost last
+        self.own: set[int] = set()  # ids of the fake tensors that stood in for the model's
         # attributes forward assigned or deleted: (id(instance dict), name) -> (module,
-        # name, value or DELETED); torch.export puts them back afterwards, silently
-        self.writes: dict[tuple[int, str], tuple[nn.Module, str, Any]] = {}
+        # name, value or DELETED, the value before the first write or ABSENT);
+        # torch.export puts them back afterwards, silently
+        self.writes: dict[tuple[int, str], tuple[nn.Module, str, Any, Any]] = {}
 
     def wrote(self, obj: Any, name: str, value: Any) -> None:
         if self.paused or name in MODULE_STATE or name in (
                 object.__getattribute__(obj, "__dict__").get("_buffers") or ()):
             return  # a fake run's writes are undone; a buffer assigned is traced
         d = object.__getattribute__(obj, "__dict__")
-        self.writes[(id(d), name)] = (obj, name, value)
+        key = (id(d), name)
+        before = self.writes[key][3] if key in self.writes else d.get(name, ABSENT)
+        self.writes[key] = (obj, name, value, before)
 
     def saw(self, obj: Any, name: str, value: Any) -> None:
         if self.paused or name in MODULE_STATE:  # a call kept out of the graph: its own
@@ -83,7 +87,7 @@ class Watch:
             self.missing.setdefault((id(d), name), (d, name))
 
 
-_ABSENT = object()
+_ABSENT = ABSENT = object()  # not in an instance dict
 DELETED = object()  # what Watch.writes holds for an attribute forward deleted
 
 

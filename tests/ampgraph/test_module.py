@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -64,22 +66,46 @@ class Pairs(nn.Module):
         return self.fc(x).view(x.shape[0] // 2, 2, 4)  # an odd batch fails, eager too
 
 
-def test_shapes_export_refuses_run_eagerly_alone_and_the_module_stays_compiled(monkeypatch):
-    import ampgraph.module as module
+def test_shapes_the_eager_model_rejects_raise_its_error_and_the_module_stays_compiled(
+        monkeypatch):
+    import ampgraph.capture.cache as cache
 
     exports = []
-    real = module.export_module
-    monkeypatch.setattr(module, "export_module", lambda *a: exports.append(1) or real(*a))
+    real = cache.export_module
+    monkeypatch.setattr(cache, "export_module", lambda *a: exports.append(1) or real(*a))
     net = ampgraph.compile(Pairs(), amp_level="O2")
     net(torch.randn(4, 4))
-    with pytest.warns(UserWarning, match="these input shapes"), \
-            pytest.raises(RuntimeError, match="invalid for input of size"):
-        net(torch.randn(3, 4))  # the model's own error, as eager
-    with pytest.raises(RuntimeError, match="invalid for input of size"):
-        net(torch.randn(3, 4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the user's error: no warning, no fallback
+        with pytest.raises(RuntimeError, match="invalid for input of size"):
+            net(torch.randn(3, 4))  # the model's own error, as eager
+    assert net._amp_eager is None and not net._amp_cache.refused
+    assert net(torch.randn(6, 4)).shape == (3, 2, 4) and len(exports) == 2
+
+
+def test_shapes_only_export_refuses_run_eagerly_alone_and_are_remembered(monkeypatch):
+    import ampgraph.capture.cache as cache
+
+    class EvenOnly(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            if x.shape[0] % 2 and x.sum() > 0:  # odd sizes branch on data: export refuses
+                return self.fc(x) * 2
+            return self.fc(x)
+
+    exports = []
+    real = cache.export_module
+    monkeypatch.setattr(cache, "export_module", lambda *a: exports.append(1) or real(*a))
+    net = ampgraph.compile(EvenOnly(), amp_level="O2")
+    net(torch.randn(4, 4))
+    with pytest.warns(UserWarning, match="these input shapes"):
+        net(torch.ones(3, 4))
+    net(torch.ones(3, 4))
     assert len(exports) == 2, "the refused shapes are remembered, not exported again"
     assert net._amp_eager is None
-    assert net(torch.randn(6, 4)).shape == (3, 2, 4) and len(exports) == 2
 
 
 def test_a_graph_transform_that_adds_submodules_refreshes_the_attribute_shortcuts():
@@ -192,11 +218,11 @@ class Branchy(nn.Module):
 
 
 def test_compiled_for_gives_the_graph_a_call_runs_and_none_when_eager(monkeypatch):
-    import ampgraph.module as module
+    import ampgraph.capture.cache as cache
 
     exports = []
-    real = module.export_module
-    monkeypatch.setattr(module, "export_module", lambda *a: exports.append(1) or real(*a))
+    real = cache.export_module
+    monkeypatch.setattr(cache, "export_module", lambda *a: exports.append(1) or real(*a))
     net = ampgraph.compile(nn.Sequential(nn.Linear(4, 4)), "O2", "bf16")
     x = torch.randn(2, 4)
     compiled = net.compiled_for((x,), {})
@@ -210,11 +236,12 @@ def test_compiled_for_gives_the_graph_a_call_runs_and_none_when_eager(monkeypatc
 
 
 def test_drop_graphs_makes_the_next_call_capture_again_children_too(monkeypatch):
+    import ampgraph.capture.cache as cache
     import ampgraph.module as module
 
     exports = []
-    real = module.export_module
-    monkeypatch.setattr(module, "export_module", lambda *a: exports.append(1) or real(*a))
+    real = cache.export_module
+    monkeypatch.setattr(cache, "export_module", lambda *a: exports.append(1) or real(*a))
     net = ampgraph.compile(nn.Sequential(nn.Linear(4, 4)), "O2", "bf16")
     x = torch.randn(2, 4)
     first = net.compiled_for((x,), {})
