@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import zoo  # noqa: E402  (benchmarks/zoo.py: the measurement)
 
 import ampgraph  # noqa: E402
-import ampgraph.module  # noqa: E402
+import ampgraph.capture.cache as cache  # noqa: E402
 
 BATCH, TEXT = 2, 7
 
@@ -384,22 +384,22 @@ def denoising_loop(make: Callable[[int], tuple], steps: int = 4) -> dict[str, An
 
 class count_exports:  # noqa: N801 - used as a context manager, like a function
     """Counts the ``torch.export`` captures ampgraph's modules make inside the block (every
-    capture goes through ``ampgraph.module.export_module``)."""
+    capture goes through ``ampgraph.capture.cache.export_module``)."""
 
     def __init__(self) -> None:
         self.count = 0
 
     def __enter__(self) -> count_exports:
-        self.real = real = ampgraph.module.export_module
+        self.real = real = cache.export_module
 
         def counted(*args: Any, **kwargs: Any) -> Any:
             self.count += 1
             return real(*args, **kwargs)
-        ampgraph.module.export_module = counted
+        cache.export_module = counted
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        ampgraph.module.export_module = self.real
+        cache.export_module = self.real
 
 
 # -- output ------------------------------------------------------------------------------
