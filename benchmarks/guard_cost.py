@@ -25,6 +25,7 @@ layers of width 768, batch 2 x 128.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import platform
@@ -90,17 +91,20 @@ def dynamo_guard_seconds(model: torch.nn.Module, ids: torch.Tensor) -> float | N
         compiled = torch.compile(model, backend="eager")
         with torch.no_grad():
             compiled(input_ids=ids)
-        code = type(model).forward.__code__
-        entries = _debug_get_cache_entry_list(code)
+        forward = type(model).forward
+        entries = _debug_get_cache_entry_list(forward.__code__)
         if not entries:
             return None
         manager = entries[0].guard_manager
-        f_locals = {"self": model, "input_ids": ids}
-        for name in code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]:
-            f_locals.setdefault(name, None)
-        if not manager.check(f_locals):
-            return None
-        return guard_check_seconds(lambda: manager.check(f_locals))[1]
+        bound = inspect.signature(forward, follow_wrapped=False).bind(model, input_ids=ids)
+        bound.apply_defaults()
+        f_locals = dict(bound.arguments)  # the frame's locals when forward is entered,
+        f_locals.update(zip(forward.__code__.co_freevars,  # its closure's cells among them
+                            (c.cell_contents for c in forward.__closure__ or ())))
+        with torch.no_grad():  # as it was compiled: grad mode is a guard too
+            if not manager.check(f_locals):
+                return None
+            return guard_check_seconds(lambda: manager.check(f_locals))[1]
     except Exception:  # noqa: BLE001 - a reference only: absent on this torch
         return None
 
