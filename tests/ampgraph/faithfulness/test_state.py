@@ -150,6 +150,18 @@ def functional_ensemble(call, model):
     return out
 
 
+def pruned_after_a_step(call, model):
+    """torch.nn.utils.prune rewires a module after the first call: a Parameter renamed,
+    a mask buffer, a pre-forward hook that computes the weight on every call."""
+    from torch.nn.utils import prune
+
+    out = step(call, model, inputs())
+    prune.l1_unstructured(model.a, "weight", amount=0.5)
+    out += step(call, model, inputs())
+    prune.remove(model.a, "weight")  # made permanent: a plain Parameter again
+    return out + step(call, model, inputs())
+
+
 def tiny_bert():
     transformers = pytest.importorskip("transformers")
     return transformers.BertModel(transformers.BertConfig(
@@ -228,6 +240,8 @@ CASES = [
          after=at_most(1)),
     Case("functional_call over an ensemble of parameter sets", MLP, functional_ensemble,
          after=at_most(1)),
+    Case("torch.nn.utils.prune applied after a step, then made permanent", MLP,
+         pruned_after_a_step, warns="a could not be captured whole .*requires grad"),
     Case("HF config.output_hidden_states switched on and off", tiny_bert, hidden_states_flag,
          after=at_most(3)),  # the third: transformers installs its capture hooks lazily
     Case("HF gradient checkpointing enabled after the first step", tiny_llama,
