@@ -1,14 +1,15 @@
 """FP8Recipe: which matrix products run in FP8 and how they are scaled (the data the
 FP8 pass and the runtime's FP8 product read).
 
-The cost rule is shape-based, from torchao's published auto-filters (measured on H100s):
-a product pays in FP8 only when its weight is large enough for the FP8 Tensor Cores'
-speed to outweigh the dynamic scaling's extra passes over the data. With the weight
-stored ``(out, in)``:
+The cost rule is shape-based, torchao's auto-filters (``_auto_filter_for_tensorwise`` and
+``_auto_filter_for_rowwise`` in ``torchao/float8/float8_linear_utils.py``, torchao 0.18;
+measured on H100s): a product pays in FP8 only when its weight is large enough for the FP8
+Tensor Cores' speed to outweigh the dynamic scaling's extra passes over the data. torchao
+reads ``N, K = weight.shape``, that is ``(out, in)`` as ``nn.Linear`` stores it:
 
-- tensorwise scaling: FP8 unless ``out <= 4096 and in <= 1024``;
-- rowwise scaling: FP8 unless ``in <= 2048``, or ``out <= 1024``, or
-  ``in <= 4096 and out <= 2048``;
+- tensorwise scaling: FP8 unless ``in <= 4096 and out <= 1024``;
+- rowwise scaling: FP8 unless ``out <= 2048``, or ``in <= 1024``, or
+  ``out <= 4096 and in <= 2048``;
 - both: ``out`` and ``in`` multiples of 16 (the FP8 kernels' requirement).
 """
 
@@ -78,14 +79,14 @@ class FP8Recipe:
         if self.rule == "all":
             return None
         if self.scaling == "tensorwise":
-            if out_features <= 4096 and in_features <= 1024:
+            if in_features <= 4096 and out_features <= 1024:
                 return (f"weight ({out_features}, {in_features}) below the tensorwise rule "
-                        "(FP8 needs out > 4096 or in > 1024)")
+                        "(FP8 needs in > 4096 or out > 1024)")
             return None
-        if in_features <= 2048 or out_features <= 1024 or (
-                in_features <= 4096 and out_features <= 2048):
+        if out_features <= 2048 or in_features <= 1024 or (
+                out_features <= 4096 and in_features <= 2048):
             return (f"weight ({out_features}, {in_features}) below the rowwise rule (FP8 "
-                    "needs in > 2048, out > 1024, and in > 4096 or out > 2048)")
+                    "needs out > 2048, in > 1024, and out > 4096 or in > 2048)")
         return None
 
     def describe(self) -> str:

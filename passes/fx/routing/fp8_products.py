@@ -61,14 +61,15 @@ def route_fp8_products(gm: fx.GraphModule, fp8_linear: Callable[..., Any], low: 
         if why is not None:
             node.meta["amp_reason"] = f"{node.meta.get('amp_reason', '')}; not FP8: {why}"
             continue
+        # the reason first: it reads the op's name, which the retargeting replaces
+        node.meta["amp_reason"] = (f"FP8 product ({recipe.describe()}): weight "
+                                   f"({out_f}, {in_f}) {_chosen_why(node, recipe, prefix)}")
         node.target = fp8_linear
         node.args = (x, weight, _master(gm, b))
         node.kwargs = {"transposed": transposed, "scaling": recipe.scaling,
                        "weight_grad": recipe.weight_grad}
         node.meta["amp_orig_op"] = "aten.linear"
         node.meta["amp_precision"] = "fp8"
-        node.meta["amp_reason"] = (f"FP8 product ({recipe.describe()}): weight "
-                                   f"({out_f}, {in_f}) {_chosen_why(node, recipe, prefix)}")
         for cast in (w_cast, b):
             if is_amp_cast(cast) and not cast.users:
                 gm.graph.erase_node(cast)

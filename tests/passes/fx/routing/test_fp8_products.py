@@ -67,15 +67,18 @@ def test_llama_8b_width_runs_its_projections_and_mlps_in_fp8(llama):
     chosen = products(llama)
     first, head = chosen.pop("model.layers.0.self_attn.q_proj"), chosen.pop("lm_head")
     assert "first or last" in first and "first or last" in head
+    # k/v (out 1024, in 4096): torchao keeps them 16-bit (in <= 4096 and out <= 1024)
+    kept = {f"model.layers.{i}.self_attn.{m}" for i in (0, 1) for m in ("k_proj", "v_proj")}
+    assert all("below the tensorwise rule" in chosen.pop(p) for p in kept)
     assert set(chosen) == {f"model.layers.{i}.{m}" for i in (0, 1) for m in (
-        "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-        "mlp.up_proj", "mlp.down_proj")} | {"model.layers.1.self_attn.q_proj"}
+        "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")} | {
+        "model.layers.1.self_attn.q_proj"}
     assert set(chosen.values()) == {"fp8"}
 
 
 def test_rowwise_rule_is_stricter(llama):
     chosen = products(llama, FP8Recipe(scaling="rowwise"))
-    # k/v (1024, 4096): out <= 1024 fails the rowwise rule; the rest of the blocks pass
+    # k/v (out 1024, in 4096): out <= 2048 fails the rowwise rule; the rest of the blocks pass
     assert "below the rowwise rule" in chosen["model.layers.1.self_attn.k_proj"]
     assert chosen["model.layers.1.self_attn.o_proj"] == chosen["model.layers.0.mlp.up_proj"] \
         == "fp8"
@@ -105,15 +108,17 @@ def test_gpt2_xl_width_conv1d_products(one_thread):
                       "transformer.h.1.attn.c_attn": "fp8"}
 
 
-def test_bert_large_width_only_its_mlp_down_projections_pass_the_rule():
+def test_bert_large_width_only_its_mlp_up_projections_pass_the_rule():
     model = on_meta(lambda: tf.BertModel(tf.BertConfig(
         hidden_size=1024, num_hidden_layers=2, num_attention_heads=16,
         intermediate_size=4096), add_pooling_layer=False))
     chosen = products(model)
-    assert {p for p, v in chosen.items() if v == "fp8"} == {"encoder.layer.0.output.dense"}
+    # intermediate.dense is (out 4096, in 1024): out > 1024 passes torchao's tensorwise rule
+    assert {p for p, v in chosen.items() if v == "fp8"} == {
+        "encoder.layer.0.intermediate.dense", "encoder.layer.1.intermediate.dense"}
     assert "first or last" in chosen["encoder.layer.0.attention.self.query"]
     assert "first or last" in chosen["encoder.layer.1.output.dense"]
-    assert "below the tensorwise rule" in chosen["encoder.layer.1.intermediate.dense"]
+    assert "below the tensorwise rule" in chosen["encoder.layer.0.output.dense"]
     assert "below the tensorwise rule" in chosen["encoder.layer.1.attention.self.query"]
 
 
@@ -174,6 +179,18 @@ def test_inspect_shows_fp8_rows(capsys, tmp_path):
     linears = [(r["module"], r["precision"]) for r in rows if r["op"] == "aten.linear"]
     assert linears == [("0", "bf16"), ("1", "fp8"), ("2", "bf16")]
     assert "passes the rule" in next(r["reason"] for r in rows if r["precision"] == "fp8")
+
+
+def test_a_forced_product_says_it_was_included_not_that_it_passes_the_rule():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64))
+    gm = export_module(model, (torch.randn(4, 64),), {}).gm
+    config = AmpConfig.create(dtype="bf16").resolve(torch.device("cpu"))
+    run_amp_passes(gm, config.policy(), torch.bfloat16, runtime=RuntimeOps(fp8_linear=fp8_stub),
+                   fp8=FP8Recipe(include=("aten.linear",), keep_first_last=False))
+    reasons = [n.meta["amp_reason"] for n in gm.graph.nodes if n.target is fp8_stub]
+    assert len(reasons) == 2  # (64, 64) fails the rule: only the include runs them FP8
+    assert all("included by the recipe ('aten.linear')" in r and "passes the rule" not in r
+               for r in reasons)
 
 
 @pytest.mark.parametrize("runtime", ["cpu", "cuda"])
