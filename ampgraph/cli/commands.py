@@ -147,7 +147,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     casts = sum(1 for n in out.graph.node if n.op_type == "Cast")
     ins = ", ".join(f"{vi.name}" for vi in out.graph.input)
     dtype = "fp32" if args.level == "O0" else args.dtype
-    print(f"wrote {args.output} ({args.level} {dtype}): {len(out.graph.node)} nodes, "
+    opset = next(o.version for o in out.opset_import if o.domain in ("", "ai.onnx"))
+    print(f"wrote {args.output} ({args.level} {dtype}, opset {opset}): "
+          f"{len(out.graph.node)} nodes, "
           f"{casts} Cast nodes, inputs {ins}, {Path(args.output).stat().st_size} bytes")
     return 0
 

@@ -27,7 +27,9 @@ from ampgraph.onnx.validate import compare_output
 from passes.onnx import ConstantRangeWarning, convert_model, low_regions
 from passes.onnx import io as pio
 from passes.onnx.io import ModelLike, OnnxModelError, max_ir_version
+from passes.onnx.policy import LOW_CAPABLE, LOW_DTYPES
 from passes.onnx.regions import bisect_regions
+from passes.onnx.schema import opset_held
 
 
 def convert_onnx(
@@ -132,12 +134,26 @@ def convert_resolved(
         warnings.warn("convert_onnx: the model has no float tensors to convert; it is returned "
                       "unchanged", UserWarning, stacklevel=3)
     out = result.model
+    if amp_level != "O0":
+        _warn_opset_held(out, dtype)
     out.ir_version = min(out.ir_version, max_ir_version())
     pio.stamp(out, {"ampgraph.amp_level": amp_level, "ampgraph.dtype": stamped})
     if output_path is not None:
         large = external or pio.data_bytes(out) > pio.EXTERNAL_DATA_BYTES
         out = pio.save_model(out, Path(output_path), large)
     return out
+
+
+def _warn_opset_held(model: ModelProto, dtype: str) -> None:
+    """Say which ops stay fp32 only because the model's opset has no ``dtype`` version of
+    them (bf16 ``Conv`` and pooling come with opset 22), and the opset that has them."""
+    held = opset_held(model, LOW_DTYPES[dtype], LOW_CAPABLE)
+    if held:
+        opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
+        warnings.warn(f"convert_onnx: opset {opset} has no {dtype} version of "
+                      f"{', '.join(held)}: they run fp32 between casts (opset "
+                      f"{max(held.values())} has them; export at that opset to run them "
+                      f"{dtype})", UserWarning, stacklevel=3)
 
 
 def _check_opset(proto: ModelProto, amp_level: str, dtype: str) -> None:

@@ -73,7 +73,10 @@ def export_onnx(
         exporter: ``"auto"`` (dynamo, then TorchScript), ``"dynamo"`` or ``"torchscript"``.
         check: run the converted model on the example inputs (onnxruntime; a kernel the
             provider lacks, such as bf16 on the CPU, skips the check).
-        opset: ONNX opset (None: the exporter's default).
+        opset: ONNX opset. None: 22 for bf16 (the first whose convolutions and pooling
+            take bf16), the exporter's default otherwise (the TorchScript exporter writes
+            at most 20). At an opset without a bf16 version of an op the level runs low,
+            the op runs fp32 between casts and a :class:`UserWarning` names it.
         **convert_kwargs: passed to :func:`convert_onnx` (op_block_list, ...).
 
     Returns:
@@ -97,6 +100,8 @@ def export_onnx(
     axes = {name: _dynamic_axes(name, value, dynamic_batch, dynamic_sequence)
             for name, value in named}
     axes.update({name: dict(a) for name, a in (dynamic_axes or {}).items()})
+    if opset is None and config.level != "O0" and config.dtype == torch.bfloat16:
+        opset = BF16_OPSET
     training = model.training
     model.eval()
     try:
@@ -122,6 +127,10 @@ def export_onnx(
 
 
 EXPORTERS = ("auto", "dynamo", "torchscript")
+# bf16's default opset: the first whose Conv, ConvTranspose, pooling and LSTM/GRU schemas
+# take bfloat16 (ConstantOfShape's from 20); at a lower one they run fp32 between casts
+BF16_OPSET = 22
+TORCHSCRIPT_MAX_OPSET = 20  # torch.onnx's TorchScript exporter writes no later opset
 
 
 def _check_run(path: str | os.PathLike, named: list[tuple[str, Any]]) -> None:
@@ -230,8 +239,8 @@ def _export(model: Any, args: tuple, kwargs: dict, axes: dict[str, dict[int, str
             flat(*flat.inputs())  # the output names
         with _quiet():
             torch.onnx.export(flat, flat.inputs(), str(fp32), dynamo=False,
-                              opset_version=opset or 17, input_names=names,
-                              output_names=flat.names,
+                              opset_version=min(opset or 17, TORCHSCRIPT_MAX_OPSET),
+                              input_names=names, output_names=flat.names,
                               dynamic_axes={n: a for n, a in axes.items() if a and n in names})
     except Exception as script_error:
         tmp.cleanup()

@@ -26,7 +26,7 @@ from passes._infra import visiting
 from passes.onnx.graph import ModelIndex, Scope
 from passes.onnx.initializers import const_tensor, const_variant, convert_tensor, set_const
 from passes.onnx.policy import DTYPE_TAG, FLOAT, FLOAT_TYPES
-from passes.onnx.schema import plan_node, shared_float_inputs
+from passes.onnx.schema import node_slots, plan_node, shared_float_inputs
 from passes.onnx.subgraphs import rename_values
 from passes.paint import Decision
 from passes.policy import LOW
@@ -35,6 +35,17 @@ IN, OUT = "in", "out"
 
 
 INSERTED = "ampgraph: inserted cast"  # doc_string of the casts this pass adds
+
+
+def _holds(v, dtype: int) -> bool:
+    """Whether constant ``v`` can be stored in ``dtype`` under its opset: an initializer or
+    ``Constant`` always can, a ``ConstantOfShape`` only from opset 20 for bf16 (before,
+    it stays fp32 and a Cast after it gives its low readers their dtype)."""
+    rec = v.producer
+    if rec is None or rec.role != "const":
+        return True
+    slots = node_slots(rec.node, rec.opset)
+    return slots.allows(slots.outputs[0], dtype)
 
 
 def _widens(low: int, high: int) -> bool:
@@ -174,7 +185,8 @@ class Rewriter:
                 self.dtype[name] = self.low if lowered else v.dtype
             elif role in ("init", "const", "retarget"):
                 agreed = wanted.get(name, set())
-                self.dtype[name] = next(iter(agreed)) if len(agreed) == 1 else v.dtype
+                one = next(iter(agreed)) if len(agreed) == 1 else v.dtype
+                self.dtype[name] = one if _holds(v, one) else v.dtype
             elif role == "compute":
                 self.dtype[name] = self.req.out_dtype.get(name, v.dtype)
             else:
@@ -194,7 +206,7 @@ class Rewriter:
             return prev.node.input[0]  # low -> fp32 (a user Cast) -> low is the low value
         new = self.index.fresh(f"{name}_{DTYPE_TAG.get(dtype, dtype)}")
         role = v.producer.role if v.producer is not None else v.origin
-        if role in ("init", "const"):
+        if role in ("init", "const") and _holds(v, dtype):
             tensor, n = convert_tensor(const_tensor(v), dtype, new,
                                        known=self.index.bounds.get(name))
             self._note_clamp(name, n)

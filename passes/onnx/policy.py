@@ -107,6 +107,8 @@ ONNX_GROUPS: tuple[OpGroup, ...] = (
 )
 
 ONNX_TABLE = OpTable(ONNX_GROUPS)
+# ops a level runs low (matmul-class) or lets follow their low neighbours (data moves)
+LOW_CAPABLE = frozenset().union(*(g.ops for g in ONNX_GROUPS if g.cls in (ALLOW, CLEAR)))
 
 
 def make_policy(

@@ -16,6 +16,7 @@ import onnx
 from onnx import NodeProto
 
 from passes.onnx.policy import BFLOAT16, FLOAT, FLOAT16, FLOAT_TYPES, FP32_INPUTS, TYPE_STR
+from passes.onnx.subgraphs import all_graphs
 
 ANY = "*"  # the shared type parameter of a schema-less op
 
@@ -154,8 +155,41 @@ def shared_float_inputs(node: NodeProto, opset: int, types: Mapping[str, int]) -
     return sorted(i for members in groups.values() if len(members) > 1 for i in members)
 
 
+def opset_held(model: onnx.ModelProto, low: int, ops: frozenset[str]) -> dict[str, int]:
+    """The op types of ``model`` (among ``ops``, default domain) whose schema at the model's
+    opset has no ``low`` version while a later opset's has: each with that first opset.
+    bf16 ``Conv``, ``ConvTranspose``, pooling, ``LSTM``/``GRU`` come with opset 22.
+
+    Example:
+        >>> opset_held(cnn_at_opset_20, TensorProto.BFLOAT16, frozenset({"Conv"}))
+        {'Conv': 22}
+    """
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    present = {n.op_type for g in all_graphs(model.graph) for n in g.node
+               if n.domain in ("", "ai.onnx") and n.op_type in ops}
+    held = {}
+    for op in sorted(present):
+        if _takes(op, opset, low):
+            continue
+        first = next((v for v in range(opset + 1, onnx.defs.onnx_opset_version() + 1)
+                      if _takes(op, v, low)), None)
+        if first is not None:
+            held[op] = first
+    return held
+
+
+@lru_cache(maxsize=1024)
+def _takes(op_type: str, opset: int, dtype: int) -> bool:
+    try:
+        schema = onnx.defs.get_schema(op_type, opset, "")
+    except Exception:  # no schema at this opset (the op is newer)
+        return False
+    return any(TYPE_STR.get(t) == dtype for c in schema.type_constraints
+               for t in c.allowed_type_strs)
+
+
 def _name(dtype: int) -> str:
     return {FLOAT: "float", FLOAT16: "float16", BFLOAT16: "bfloat16"}.get(dtype, str(dtype))
 
 
-__all__ = ["Slots", "float_slots", "low_blocker", "node_slots", "plan_node"]
+__all__ = ["Slots", "float_slots", "low_blocker", "node_slots", "opset_held", "plan_node"]
