@@ -6,6 +6,7 @@ graph through :func:`node_rows`.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -49,14 +50,30 @@ def node_rows(prefix: str, compiled: Compiled, low: torch.dtype) -> list[dict[st
         elif precision == FP32:
             precision = "fp32"
         op = node.meta.get("amp_orig_op") or op_key(node)  # a fused op shows what it runs
-        rows.append({"name": node.name, "op": op if node.op == "call_function" else node.op,
-                     "module": module, "precision": precision, "reason": reason})
+        rows.append({"name": public(node.name),
+                     "op": op if node.op == "call_function" else node.op,
+                     "module": module, "precision": precision, "reason": public(reason)})
     for entry in compiled.gm.meta.get(UNHONOURED_KEY, ()):  # said loudly, in a row too
         rows.append({"name": f"checkpoint_region_{entry['region']}", "op": "checkpoint",
                      "module": ".".join(p for p in (prefix, entry["module"]) if p),
                      "precision": NA, "reason": "activation checkpoint NOT honoured "
                      f"({entry['nodes']} nodes kept inline): {entry['reason']}"})
     return rows
+
+
+# torch.export's names for tensors a forward made (torch.tensor(...)): a user wrote no
+# such name, so rows call them what they are
+_LIFTED = re.compile(r"lifted_tensor_(\d+)")
+
+
+def public(text: str) -> str:
+    """``text`` with torch.export's internal constant names replaced.
+
+    Example:
+        >>> public("attn.lifted_tensor_0 cast once")
+        'attn.forward_constant_0 cast once'
+    """
+    return _LIFTED.sub(r"forward_constant_\1", text)
 
 
 def _with_absorbed(nodes: Iterable[fx.Node]) -> Iterator[fx.Node]:

@@ -13,7 +13,7 @@ import torch
 
 from ampgraph.config import dtype_name
 from ampgraph.module import Compiled
-from ampgraph.node_rows import node_rows
+from ampgraph.node_rows import node_rows, public
 from passes.costs import GraphCosts
 from passes.fx.costs import graph_costs
 from passes.fx.dtypes import dtype_of
@@ -102,7 +102,7 @@ def fx_view(graphs: list[tuple[str, Compiled]], low: torch.dtype) -> GraphView:
                 dtype = dtype_of(node)
                 to = dtype_name(dtype) if dtype is not None else "?"
                 src = node.all_input_nodes[0] if node.all_input_nodes else None
-                what = ".".join(p for p in (prefix, str(src.target)) if p) if (
+                what = public(".".join(p for p in (prefix, str(src.target)) if p)) if (
                     src is not None and src.op == "get_attr") else ""
                 view.nodes.append(ViewNode(pid(node.name), f"cast to {to}", "cast", "cast",
                                            "cast", prefix, what or f"from {src}"))
@@ -110,10 +110,10 @@ def fx_view(graphs: list[tuple[str, Compiled]], low: torch.dtype) -> GraphView:
                 view.nodes.append(ViewNode(pid(node.name), f"{prefix or 'output'}", "output",
                                            "n/a", "output", prefix))
             else:
-                row = rows.get(node.name, {})
+                row = rows.get(public(node.name), {})
                 kind = "input" if node.op == "placeholder" else "op"
                 op = row.get("op", node.op)
-                view.nodes.append(ViewNode(pid(node.name), node.name, op,
+                view.nodes.append(ViewNode(pid(node.name), public(node.name), op,
                                            row.get("precision", "n/a"), kind,
                                            row.get("module", prefix), row.get("reason", "")))
                 for key, i, what in (("amp_fused_weight_cast", 1, "weight"),

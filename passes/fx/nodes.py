@@ -109,12 +109,16 @@ def node_inputs(node: fx.Node) -> list[fx.Node]:
     return [a for a in node.all_input_nodes]
 
 
+_NO_MODULE = "_empty_nn_module_stack_from_metadata_hook"
+
+
 def module_info(node: fx.Node) -> tuple[str, tuple[str, ...]]:
     """Innermost module path and the classes of all enclosing modules."""
     stack = node.meta.get("nn_module_stack")
-    if not stack:
+    # torch.export's placeholder for a node traced outside any module is no module
+    entries = [e for k, e in (stack or {}).items() if not k.startswith(_NO_MODULE)]
+    if not entries:
         return "", ()
-    entries = list(stack.values())
     path = entries[-1][0] if isinstance(entries[-1], tuple) else ""
     classes = tuple(str(e[1]) if isinstance(e[1], str) else
                     f"{e[1].__module__}.{e[1].__qualname__}" for e in entries)

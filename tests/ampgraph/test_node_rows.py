@@ -84,3 +84,24 @@ def test_a_checkpointed_region_left_inline_has_a_row_saying_so():
     assert row["name"] == "checkpoint_region_3" and row["op"] == "checkpoint"
     assert row["module"] == "net.blocks.0"
     assert "NOT honoured (7 nodes kept inline): x feeds it" in row["reason"]
+
+
+class MadeInForward(nn.Module):
+    """A tensor made in forward (torch.export lifts it as ``lifted_tensor_0``) and a size
+    read outside any module (its nn_module_stack is torch's placeholder hook)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x):
+        scale = torch.tensor([2.0, 3.0, 4.0, 5.0, 1.0, 1.0, 1.0, 1.0])
+        return self.linear(x).reshape(x.shape[0], -1) * scale
+
+
+def test_rows_name_no_internal_torch_export_names():
+    net = ampgraph.compile(MadeInForward())
+    report = ampgraph.explain(net, torch.randn(3, 8))
+    text = str(report) + report.to_json()
+    assert "lifted_tensor" not in text and "_empty_nn_module_stack" not in text
+    assert any("forward_constant_0" in r["name"] for r in report.nodes)
