@@ -60,6 +60,9 @@ def marked_checkpoints() -> Iterator[None]:
     if composable is not None and hasattr(composable, _GENERATOR):
         patches.append((composable, _GENERATOR, marker.composable_generator))
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    original = saved[0][2]
+    meta = fx_traceback.current_meta
+    had_custom, custom = "custom" in meta, meta.get("custom")
     for owner, name, value in patches:
         setattr(owner, name, value)
     try:
@@ -68,6 +71,16 @@ def marked_checkpoints() -> Iterator[None]:
         for owner, name, value in saved:
             setattr(owner, name, value)
         marker.close()
+        # the composable checkpoint imported while patched bound the stand-in: unbind it
+        composable = sys.modules.get(_COMPOSABLE)
+        if getattr(getattr(composable, _GENERATOR, None), "__self__", None) is marker:
+            setattr(composable, _GENERATOR, original)
+        # and no region's annotation outlives the export, however its generator ended
+        meta = fx_traceback.current_meta
+        if had_custom:
+            meta["custom"] = custom
+        else:
+            meta.pop("custom", None)
 
 
 class _RegionMarker:

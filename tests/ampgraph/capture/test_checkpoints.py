@@ -257,3 +257,30 @@ def test_llama_with_gradient_checkpointing_keeps_what_eager_bf16_keeps():
                                                                      dtype="bf16"))
     assert kept_inputs <= 1.2 * eager_inputs, (kept_inputs, eager_inputs)
     assert kept < eager_all / 3, (kept, eager_all)  # O2 without it: more than eager bf16
+
+
+def test_no_region_annotation_outlives_the_block():
+    """A region left open (its generator never finished) must not mark later exports."""
+    import torch.fx.traceback as fx_traceback
+
+    from passes.fx.checkpoints import REGION_KEY
+
+    assert "custom" not in fx_traceback.current_meta
+    with marked_checkpoints():
+        fx_traceback.current_meta["custom"] = {REGION_KEY: (0, {})}
+    assert "custom" not in fx_traceback.current_meta
+
+
+def test_the_composable_checkpoint_imported_during_an_export_keeps_torchs_generator(
+        monkeypatch):
+    import sys
+
+    from ampgraph.capture.checkpoints import _COMPOSABLE, _GENERATOR
+
+    module = sys.modules[_COMPOSABLE]
+    original = getattr(module, _GENERATOR)
+    monkeypatch.delitem(sys.modules, _COMPOSABLE)  # not imported when the block starts
+    with marked_checkpoints():
+        sys.modules[_COMPOSABLE] = module  # imported now: it binds the stand-in
+        monkeypatch.setattr(module, _GENERATOR, getattr(torch_checkpoint, _GENERATOR))
+    assert getattr(module, _GENERATOR) is original
