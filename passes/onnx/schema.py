@@ -178,14 +178,9 @@ def opset_held(model: onnx.ModelProto, low: int, ops: frozenset[str]) -> dict[st
     return held
 
 
-@lru_cache(maxsize=1024)
 def _takes(op_type: str, opset: int, dtype: int) -> bool:
-    try:
-        schema = onnx.defs.get_schema(op_type, opset, "")
-    except Exception:  # no schema at this opset (the op is newer)
-        return False
-    return any(TYPE_STR.get(t) == dtype for c in schema.type_constraints
-               for t in c.allowed_type_strs)
+    """Whether some type parameter of ``op_type``'s schema at ``opset`` allows ``dtype``."""
+    return any(dtype in allowed for allowed in _slots(op_type, "", opset, 0, 0).allowed.values())
 
 
 def _name(dtype: int) -> str:
