@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import fx
@@ -15,13 +16,15 @@ from torch import fx
 from ampgraph.config import dtype_name
 from ampgraph.module import Compiled
 from passes.fx.checkpoints import UNHONOURED_KEY
+from passes.fx.costs import node_flops
 from passes.fx.dtypes import dtype_of
 from passes.fx.nodes import module_info, op_key
 from passes.policy import FP32, LOW, NA
 
 
-def node_rows(prefix: str, compiled: Compiled, low: torch.dtype) -> list[dict[str, str]]:
-    """One row per original graph node: name, op, module, precision, reason.
+def node_rows(prefix: str, compiled: Compiled, low: torch.dtype) -> list[dict[str, Any]]:
+    """One row per original graph node: name, op, module, precision, reason, and the
+    node's matmul/conv/attention FLOPs (``passes.fx.costs.node_flops``).
 
     Example:
         >>> graphs, _ = net.amp_parts()  # doctest: +SKIP
@@ -52,7 +55,8 @@ def node_rows(prefix: str, compiled: Compiled, low: torch.dtype) -> list[dict[st
         op = node.meta.get("amp_orig_op") or op_key(node)  # a fused op shows what it runs
         rows.append({"name": public(node.name),
                      "op": op if node.op == "call_function" else node.op,
-                     "module": module, "precision": precision, "reason": public(reason)})
+                     "module": module, "precision": precision, "reason": public(reason),
+                     "flops": node_flops(node)})
     for entry in compiled.gm.meta.get(UNHONOURED_KEY, ()):  # said loudly, in a row too
         rows.append({"name": f"checkpoint_region_{entry['region']}", "op": "checkpoint",
                      "module": ".".join(p for p in (prefix, entry["module"]) if p),

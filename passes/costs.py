@@ -17,7 +17,7 @@ class GraphCosts:
 
     Attributes:
         flops: FLOPs (2 x multiply-adds) of the matmul, convolution and attention nodes.
-        low_flops: the part of ``flops`` in nodes that run in the low dtype.
+        low_flops: the part of ``flops`` in nodes that run in the low (16-bit) dtype.
         param_bytes_fp32: float parameters (FX: fp32 masters; ONNX: fp32 initializers).
         param_bytes_low: low-precision weights (FX: the copies the graph makes; ONNX:
             fp16/bf16 initializers).
@@ -27,6 +27,8 @@ class GraphCosts:
         peak_bytes: peak live activation bytes of an in-order run, each value freed after
             its last use.
         peak_bytes_fp32: the same of the graph before the rewrite.
+        fp8_flops: the part of ``flops`` in FP8 products (not in ``low_flops``).
+        param_bytes_fp8: the FP8 weight copies the FP8 products make (one byte a value).
 
     Example:
         >>> costs = graph_costs([gm])
@@ -43,6 +45,8 @@ class GraphCosts:
     activation_bytes_fp32: int
     peak_bytes: int
     peak_bytes_fp32: int
+    fp8_flops: int = 0
+    param_bytes_fp8: int = 0
 
 
 __all__ = ["GraphCosts"]

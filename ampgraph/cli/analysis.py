@@ -55,7 +55,7 @@ def fx_stats(graphs: Iterable[tuple[str, Compiled]]) -> dict[str, Any]:
 
 def summary_numbers(costs: GraphCosts) -> dict[str, Any]:
     """The ``inspect`` summary's numbers from a graph's costs (PyTorch and ONNX targets):
-    the costs, the low share of the FLOPs, the savings against fp32.
+    the costs, the 16-bit and FP8 shares of the FLOPs, the savings against fp32.
 
     Example:
         >>> summary_numbers(GraphCosts(100, 50, 8, 4, 8, 30, 40, 10, 20))["activation_saving"]
@@ -65,10 +65,13 @@ def summary_numbers(costs: GraphCosts) -> dict[str, Any]:
     return {
         "matmul_conv_flops": c.flops,
         "matmul_conv_flops_low": c.low_flops,
+        "matmul_conv_flops_fp8": c.fp8_flops,
         "low_flops_share": round(c.low_flops / c.flops, 4) if c.flops else 0.0,
+        "fp8_flops_share": round(c.fp8_flops / c.flops, 4) if c.flops else 0.0,
         "param_bytes_fp32": c.param_bytes_fp32,
         "param_bytes_low": c.param_bytes_low,
-        "param_bytes_runtime": c.param_bytes_fp32 + c.param_bytes_low,
+        "param_bytes_fp8": c.param_bytes_fp8,
+        "param_bytes_runtime": c.param_bytes_fp32 + c.param_bytes_low + c.param_bytes_fp8,
         "param_bytes_baseline": c.param_bytes_baseline,
         "activation_bytes": c.activation_bytes,
         "activation_bytes_fp32": c.activation_bytes_fp32,

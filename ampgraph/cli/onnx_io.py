@@ -19,7 +19,7 @@ from ampgraph.cli.analysis import GraphView, ViewNode, summary_numbers
 from ampgraph.cli.target import CliError, one_line
 from passes.onnx import convert_model
 from passes.onnx import io as pio
-from passes.onnx.costs import model_costs
+from passes.onnx.costs import model_costs, node_flops, value_shapes
 from passes.onnx.subgraphs import all_graphs
 
 _LOW = {TensorProto.FLOAT16: "fp16", TensorProto.BFLOAT16: "bf16"}
@@ -110,9 +110,12 @@ def _precision(decision: Any, low: str) -> str:
     return {"low": low, "fp32": "fp32"}.get(decision.precision, "n/a")
 
 
-def onnx_rows(original: ModelProto, result: Any, low: str) -> list[dict[str, str]]:
-    """One row per graph input, initializer and node, in graph order."""
+def onnx_rows(original: ModelProto, result: Any, low: str,
+              fixed: dict[str, tuple] | None = None) -> list[dict[str, Any]]:
+    """One row per graph input, initializer and node, in graph order; a node's ``flops``
+    at the input shapes ``fixed`` (0 without them)."""
     nodes = {n.name: n for g in all_graphs(result.model.graph) for n in g.node}
+    shapes = value_shapes(result.model, fixed) if fixed is not None else None
     types = {vi.name: vi.type.tensor_type.elem_type for vi in original.graph.input}
     inits = {t.name: t.data_type for g in all_graphs(original.graph) for t in g.initializer}
     stored = {t.name: t.data_type for g in all_graphs(result.model.graph) for t in g.initializer}
@@ -126,11 +129,14 @@ def onnx_rows(original: ModelProto, result: Any, low: str) -> list[dict[str, str
             if name in inits and dtype != inits[name]:
                 reason = f"initializer stored in {_NAMES.get(dtype, dtype)}: its readers run there"
             rows.append({"name": name, "op": "initializer" if name in inits else "input",
-                         "module": "", "precision": _NAMES.get(dtype, "n/a"), "reason": reason})
+                         "module": "", "precision": _NAMES.get(dtype, "n/a"), "reason": reason,
+                         "flops": 0})
             continue
-        rows.append({"name": v, "op": data.get("op", ""), "module": _module(nodes.get(v)),
+        node = nodes.get(v)
+        rows.append({"name": v, "op": data.get("op", ""), "module": _module(node),
                      "precision": _precision(d, low) if d else "n/a",
-                     "reason": d.reason if d else ""})
+                     "reason": d.reason if d else "",
+                     "flops": node_flops(node, shapes) if node and shapes else 0})
     return rows
 
 

@@ -17,9 +17,10 @@ from ampgraph.cli.analysis import GraphView
 
 SCHEMA = "ampgraph.inspect/1"
 ROW_KEYS = ("name", "op", "module", "precision", "reason")
-COLORS = {"fp32": "#8cb5e8", "bf16": "#8fd18f", "fp16": "#f7b267", "fp64": "#c9a0dc",
-          "n/a": "#dddddd", "cast": "#f2e55c"}
-ANSI = {"fp32": "34", "bf16": "32", "fp16": "33", "fp64": "35", "n/a": "2", "cast": "33;1"}
+COLORS = {"fp32": "#8cb5e8", "bf16": "#8fd18f", "fp16": "#f7b267", "fp8": "#e98bd0",
+          "fp64": "#c9a0dc", "n/a": "#dddddd", "cast": "#f2e55c"}
+ANSI = {"fp32": "34", "bf16": "32", "fp16": "33", "fp8": "95", "fp64": "35", "n/a": "2",
+        "cast": "33;1"}
 
 
 @dataclass
@@ -47,11 +48,25 @@ class Inspection:
         return out
 
 
+# rows that are not computations: the graph's inputs, and its parameters and buffers
+INPUT_OPS = ("placeholder", "input")
+PARAM_OPS = ("get_attr", "initializer")
+
+
+def is_op(row: dict[str, str]) -> bool:
+    """Whether a report row is a computation (not an input, parameter or buffer)."""
+    return row["op"] not in INPUT_OPS + PARAM_OPS
+
+
 def summarize(nodes: list[dict[str, str]], casts: int, stats: dict[str, Any],
               **extra: Any) -> dict[str, Any]:
-    """The ``summary`` object: counts, casts, FLOP/parameter/activation statistics, extras."""
+    """The ``summary`` object: counts (all rows, then the computations and the parameters
+    apart), casts, FLOP/parameter/activation statistics, extras."""
     counts = Counter(r["precision"] for r in nodes)
-    return {"nodes": len(nodes), "by_precision": dict(sorted(counts.items())), "casts": casts,
+    ops = Counter(r["precision"] for r in nodes if is_op(r))
+    return {"nodes": len(nodes), "by_precision": dict(sorted(counts.items())),
+            "ops": sum(ops.values()), "ops_by_precision": dict(sorted(ops.items())),
+            "params": sum(r["op"] in PARAM_OPS for r in nodes), "casts": casts,
             **stats, **extra}
 
 
@@ -64,8 +79,8 @@ def diff(base: Inspection, other: Inspection) -> dict[str, Any]:
                 "reason": theirs[r["name"]]["reason"]}
                for r in base.nodes
                if r["name"] in theirs and theirs[r["name"]]["precision"] != r["precision"]]
-    keys = ("casts", "by_precision", "low_flops_share", "param_bytes_runtime", "activation_bytes",
-            "activation_saving")
+    keys = ("casts", "by_precision", "ops_by_precision", "matmul_conv_flops", "low_flops_share",
+            "fp8_flops_share", "param_bytes_runtime", "activation_bytes", "activation_saving")
     return {
         "level": other.level, "dtype": other.dtype, "changed": changed,
         "only_in_base": [n for n in (r["name"] for r in base.nodes) if n not in theirs],
@@ -111,17 +126,22 @@ def human_flops(n: int | float) -> str:
 def summary_lines(insp: Inspection) -> list[tuple[str, str]]:
     """(label, text) pairs shared by the table and the HTML page."""
     s, low = insp.summary, insp.dtype
-    counts = ", ".join(f"{k} {v}" for k, v in s["by_precision"].items())
+    ops = s.get("ops_by_precision", s["by_precision"])
+    counts = ", ".join(f"{k} {v}" for k, v in ops.items())
     eager = s.get("eager_modules") or []
+    fp8_bytes = s.get("param_bytes_fp8", 0)
     lines = [
-        ("nodes", f"{s['nodes']} ({counts})"),
+        ("ops", f"{s.get('ops', s['nodes'])} ({counts}); parameters and buffers "
+                f"{s.get('params', 0)}, counted apart"),
         ("casts inserted", str(insp.casts)),
-        ("matmul/conv FLOPs", f"{human_flops(s['matmul_conv_flops'])}, "
-                              f"{100 * s['low_flops_share']:.1f}% in {low}"),
+        ("matmul/conv FLOPs", f"{human_flops(s['matmul_conv_flops'])}: "
+                              + ", ".join(f"{p} {100 * share:.1f}%"
+                                          for p, share in flop_shares(s, low).items())),
         ("parameters", f"fp32 {human_bytes(s['param_bytes_fp32'])} + {low} "
-                       f"{human_bytes(s['param_bytes_low'])} = "
-                       f"{human_bytes(s['param_bytes_runtime'])} at run time "
-                       f"(fp32 model {human_bytes(s['param_bytes_baseline'])})"),
+                       f"{human_bytes(s['param_bytes_low'])}"
+                       + (f" + fp8 {human_bytes(fp8_bytes)}" if fp8_bytes else "")
+                       + f" = {human_bytes(s['param_bytes_runtime'])} at run time "
+                         f"(fp32 model {human_bytes(s['param_bytes_baseline'])})"),
         ("activations", f"{human_bytes(s['activation_bytes'])} of node outputs vs "
                         f"{human_bytes(s['activation_bytes_fp32'])} in fp32 "
                         f"({_saved(s['activation_saving'])}); peak live "
@@ -136,6 +156,19 @@ def summary_lines(insp: Inspection) -> list[tuple[str, str]]:
         lines.append(("eager (fp32)", ", ".join(f"{e['path']} ({e['reason']})" for e in eager)
                       or "none: the whole model was captured"))
     return lines
+
+
+def flop_shares(summary: dict[str, Any], low: str) -> dict[str, float]:
+    """The matmul/conv FLOPs' shares by precision: ``low`` (16-bit), fp8 and fp32 (the
+    rest), each a fraction; all three always.
+
+    Example:
+        >>> flop_shares({"low_flops_share": 0.25, "fp8_flops_share": 0.7}, "bf16")
+        {'bf16': 0.25, 'fp8': 0.7, 'fp32': 0.05}
+    """
+    lo, f8 = summary.get("low_flops_share", 0.0), summary.get("fp8_flops_share", 0.0)
+    rest = round(1 - lo - f8, 4) if summary.get("matmul_conv_flops", 1) else 0.0
+    return {low: lo, "fp8": f8, "fp32": rest}
 
 
 def _saved(share: float) -> str:

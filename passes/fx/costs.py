@@ -227,7 +227,7 @@ def graph_costs(graphs: Iterable[fx.GraphModule]) -> GraphCosts:
         >>> costs.low_flops == costs.flops
         True
     """
-    flops = low_flops = 0
+    flops = low_flops = fp8_flops = fp8_copies = 0
     params: dict[str, int] = {}
     copies = act = act_fp32 = peak = peak_fp32 = 0
     for gm in graphs:
@@ -256,11 +256,16 @@ def graph_costs(graphs: Iterable[fx.GraphModule]) -> GraphCosts:
             flops += f
             if node.meta.get("amp_precision") == "low":
                 low_flops += f
+            elif node.meta.get("amp_precision") == "fp8":  # fp8_linear(x, weight, bias)
+                fp8_flops += f
+                if isinstance(_val(node.args[1]), torch.Tensor):
+                    fp8_copies += _val(node.args[1]).numel()
             if not _is_view(node):
                 act += out_bytes(node)
                 act_fp32 += out_bytes(node, original=True)
     fp32 = sum(params.values())
-    return GraphCosts(flops, low_flops, fp32, copies, fp32, act, act_fp32, peak, peak_fp32)
+    return GraphCosts(flops, low_flops, fp32, copies, fp32, act, act_fp32, peak, peak_fp32,
+                      fp8_flops, fp8_copies)
 
 
 __all__ = [

@@ -10,7 +10,7 @@ import ampgraph
 from ampgraph.node_rows import node_rows
 from passes.fx.checkpoints import UNHONOURED_KEY
 
-KEYS = {"name", "op", "module", "precision", "reason"}
+KEYS = {"name", "op", "module", "precision", "reason", "flops"}
 
 
 def compiled_graph(dtype: str, level: str = "O2"):
@@ -31,6 +31,8 @@ def test_one_row_per_original_node_and_none_for_the_inserted_casts():
     assert casts, "O2 inserts casts"
     assert [r["name"] for r in rows] == [n.name for n in nodes if n.name not in casts]
     assert all(set(r) == KEYS for r in rows)
+    flops = {r["name"]: r["flops"] for r in rows}
+    assert flops["linear"] == 2 * 2 * 4 * 8 and sum(flops.values()) == flops["linear"]
 
 
 @pytest.mark.filterwarnings("ignore:fp16 on a CPU:RuntimeWarning")

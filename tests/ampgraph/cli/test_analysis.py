@@ -19,7 +19,12 @@ def test_summary_numbers_add_shares_and_savings_to_the_costs():
         "param_bytes_baseline": 8, "activation_bytes": 30, "activation_bytes_fp32": 40,
         "activation_saving": 0.25, "activation_peak_bytes": 10,
         "activation_peak_bytes_fp32": 20, "activation_peak_saving": 0.5,
+        "matmul_conv_flops_fp8": 0, "fp8_flops_share": 0.0, "param_bytes_fp8": 0,
     }
+    fp8 = summary_numbers(GraphCosts(100, 20, 8, 4, 8, 30, 40, 10, 20, fp8_flops=70,
+                                     param_bytes_fp8=2))
+    assert fp8["fp8_flops_share"] == 0.7 and fp8["low_flops_share"] == 0.2
+    assert fp8["param_bytes_fp8"] == 2 and fp8["param_bytes_runtime"] == 14
     empty = summary_numbers(GraphCosts(0, 0, 0, 0, 0, 0, 0, 0, 0))  # no division by zero
     assert (empty["low_flops_share"], empty["activation_saving"],
             empty["activation_peak_saving"]) == (0.0, 0.0, 0.0)

@@ -80,7 +80,10 @@ def test_stats_rows_and_view_of_a_conversion():
     assert rows["W"]["op"] == "initializer" and rows["W"]["precision"] == "fp16"
     assert "stored in fp16" in rows["W"]["reason"]
     assert rows["x"] == {"name": "x", "op": "input", "module": "", "precision": "fp32",
-                         "reason": rows["x"]["reason"]}
+                         "reason": rows["x"]["reason"], "flops": 0}
+    assert rows["mm"]["flops"] == 0  # no shapes given
+    sized = {r["name"]: r["flops"] for r in onnx_rows(model, result, "fp16", fixed)}
+    assert sized["mm"] == stats["matmul_conv_flops"] and sized["sm"] == 0
     view = onnx_view(result, "fp16")
     casts = [n for n in view.nodes if n.kind == "cast"]
     assert len(casts) == result.casts == 2  # x to fp16, h back to fp32

@@ -47,3 +47,29 @@ def test_dot_escapes_and_draws_casts():
     assert dot.count('shape="diamond"') == 2 and '"c" -> "mm";' in dot
     assert 'penwidth="3"' in dot
 
+
+
+def test_summary_counts_computations_and_parameters_apart():
+    from ampgraph.cli.render import summarize
+
+    rows = [{"op": "placeholder", "precision": "fp32"}, {"op": "get_attr", "precision": "fp32"},
+            {"op": "get_attr", "precision": "fp32"}, {"op": "aten.linear", "precision": "fp8"},
+            {"op": "aten.relu", "precision": "bf16"}, {"op": "initializer", "precision": "fp16"}]
+    s = summarize(rows, 3, {})
+    assert s["nodes"] == 6 and s["by_precision"] == {"bf16": 1, "fp16": 1, "fp32": 3, "fp8": 1}
+    assert s["ops"] == 2 and s["ops_by_precision"] == {"bf16": 1, "fp8": 1}
+    assert s["params"] == 3
+
+
+def test_the_flop_line_gives_all_three_precisions_and_fp8_weight_bytes():
+    from ampgraph.cli.render import summary_lines
+
+    insp = inspection()
+    insp.summary.update(ops=2, ops_by_precision={"bf16": 1, "fp8": 1}, params=1,
+                        matmul_conv_flops=1000, low_flops_share=0.25, fp8_flops_share=0.7,
+                        param_bytes_fp8=1024, param_bytes_runtime=1624)
+    lines = dict(summary_lines(insp))
+    assert lines["ops"] == "2 (bf16 1, fp8 1); parameters and buffers 1, counted apart"
+    assert lines["matmul/conv FLOPs"] == "1.00 KFLOP: bf16 25.0%, fp8 70.0%, fp32 5.0%"
+    assert lines["parameters"] == ("fp32 400 B + bf16 200 B + fp8 1.0 KiB = 1.6 KiB at run "
+                                   "time (fp32 model 400 B)")
