@@ -23,7 +23,8 @@ class PrecisionReport:
     Attributes:
         level: "O0".."O3".
         dtype: the low dtype ("bf16" | "fp16"; "fp32" at O0).
-        nodes: rows with keys name, op, module, precision, reason.
+        nodes: rows with keys name, op, module, precision, reason and flops (the
+            node's matmul/conv/attention FLOPs).
         casts: number of cast nodes inserted.
         eager: modules that could not be captured and ran eagerly in fp32.
     """

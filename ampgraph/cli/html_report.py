@@ -1,181 +1,127 @@
-"""``ampgraph inspect --format html``: one self-contained page (inline CSS, JS and SVG; no
-network access) with the coloured graph and a searchable node table.
+"""``ampgraph inspect --format html``: one self-contained page (inline CSS, JS and data;
+nothing loaded from the network), module first.
 
-The graph layout is a simple layered drawing: a node's layer is its longest distance from
-a source, and nodes in a layer are ordered by the mean position of their predecessors
-(one barycentre sweep), which keeps chains straight without graphviz.
+The page opens on the module tree (``ampgraph.cli.module_tree``): each module's FLOP share
+by precision as a stacked bar, its ops, casts and why its fp32 ops are fp32, numbered
+blocks with one plan folded into one entry. A module's ops table and its graph (layered
+drawing, zoom, fit-to-width, shape and data-movement ops hidden unless asked for) are built
+by the page's script when asked for, from the rows and the drawn graph embedded as JSON:
+the page stays small at BERT-12 scale and every node is two clicks away. The legend's
+chips filter every view by precision. With ``--diff`` the page adds the comparison of the
+two levels, coloured, with everything the text diff says.
 """
 
 from __future__ import annotations
 
+import json
 from html import escape
+from importlib import resources
+from typing import Any
 
-from ampgraph.cli.analysis import GraphView
-from ampgraph.cli.render import COLORS, ROW_KEYS, SCHEMA, Inspection, summary_lines
+from ampgraph.cli.module_tree import build_tree, tree_data
+from ampgraph.cli.render import (
+    COLORS,
+    INPUT_OPS,
+    PARAM_OPS,
+    SCHEMA,
+    Inspection,
+    flop_shares,
+    human_bytes,
+    summary_lines,
+)
 
-NODE_W, NODE_H, CAST_W, H_GAP, V_GAP, PAD = 150, 34, 90, 18, 30, 20
-
-_CSS = """
-body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:1.5em;
-color:#222}
-h1{font-size:1.3em}h2{font-size:1.1em;margin-top:1.5em}
-dl.summary{display:grid;grid-template-columns:max-content auto;gap:.2em 1em}
-dl.summary dt{font-weight:600}dl.summary dd{margin:0}
-.legend span{display:inline-block;padding:.1em .6em;margin-right:.4em;border:1px solid #999;
-border-radius:4px;font-size:.85em}
-.graph{overflow:auto;max-height:70vh;border:1px solid #ccc;margin:.5em 0}
-.graph text{font-size:10px;font-family:monospace;pointer-events:none}
-.graph .edge{stroke:#888;fill:none;stroke-width:1}
-.graph .changed rect{stroke:#d62728;stroke-width:3}
-table{border-collapse:collapse;font-size:.85em;width:100%}
-th,td{border-bottom:1px solid #e3e3e3;padding:.2em .5em;text-align:left;vertical-align:top}
-th{background:#f4f4f4;position:sticky;top:0}
-td.p{font-weight:600}
-input#q{width:30em;padding:.3em;font-size:1em}
-tr:target{outline:2px solid #d62728}
-"""
-
-_JS = """
-(function(){
-  var q=document.getElementById('q');
-  function apply(){
-    var t=q.value.toLowerCase();
-    var rows=document.querySelectorAll('table.nodes tbody tr');
-    var shown=0;
-    for(var i=0;i!==rows.length;i++){
-      var hit=!t||rows[i].textContent.toLowerCase().indexOf(t)!==-1;
-      rows[i].style.display=hit?'':'none'; if(hit){shown++;}
-    }
-    document.getElementById('count').textContent=shown+' of '+rows.length+' nodes';
-    var nodes=document.querySelectorAll('svg g.node');
-    for(var j=0;j!==nodes.length;j++){
-      var s=nodes[j].getAttribute('data-search');
-      nodes[j].style.opacity=(!t||s.indexOf(t)!==-1)?1:0.15;
-    }
-  }
-  q.addEventListener('input',apply); apply();
-})();
-"""
+# ops that move or describe data without arithmetic: hidden from a graph unless asked for
+BOOKKEEPING = frozenset(
+    "view reshape _unsafe_view unsqueeze squeeze expand expand_as permute transpose t slice "
+    "select narrow split split_with_sizes chunk unbind getitem sym_size sym_numel sym_stride "
+    "arange _assert_tensor_metadata _assert_scalar sym_constrain_range_for_size detach alias "
+    "contiguous clone lift_fresh_copy full zeros ones empty scalar_tensor _to_copy flatten "
+    "unflatten as_strided Reshape Unsqueeze Squeeze Transpose Shape Gather Slice Concat "
+    "Constant ConstantOfShape Identity Flatten Expand Range".split())
 
 
-def layout(view: GraphView) -> tuple[dict[str, tuple[float, float, float]], float, float]:
-    """Node id -> (x, y, width): layers by longest distance from a source (sources sit just
-    above their first consumer), ordered by barycentre sweeps down, up and down again."""
-    ids = [n.id for n in view.nodes]
-    preds: dict[str, list[str]] = {i: [] for i in ids}
-    succs: dict[str, list[str]] = {i: [] for i in ids}
-    for a, b in view.edges:
-        if a in preds and b in preds:
-            preds[b].append(a)
-            succs[a].append(b)
-    depth: dict[str, int] = {}
-    for i in ids:  # nodes come in topological order
-        depth[i] = 1 + max((depth.get(p, -1) for p in preds[i]), default=-1)
-    for i in ids:  # weight casts and other sources: right above their first consumer
-        if not preds[i] and succs[i]:
-            depth[i] = max(min(depth[s] for s in succs[i]) - 1, 0)
-    layers: dict[int, list[str]] = {}
-    for i in ids:
-        layers.setdefault(depth[i], []).append(i)
-    order = {i: float(k) for layer in layers.values() for k, i in enumerate(layer)}
+def is_bookkeeping(op: str) -> bool:
+    """Whether an op (``aten.view.default``, ``getitem``, ONNX ``Reshape``) only moves or
+    describes data.
 
-    def sweep(levels: list[int], neighbours: dict[str, list[str]]) -> None:
-        for d in levels:
-            def key(i: str) -> float:
-                near = [order[n] for n in neighbours[i]]
-                return sum(near) / len(near) if near else order[i]
-
-            layers[d].sort(key=key)
-            order.update({i: float(k) for k, i in enumerate(layers[d])})
-
-    down = sorted(layers)
-    sweep(down, preds)
-    sweep(down[::-1], succs)
-    sweep(down, preds)
-    width = {n.id: CAST_W if n.kind == "cast" else NODE_W for n in view.nodes}
-    pos: dict[str, tuple[float, float, float]] = {}
-    for d in down:
-        x = PAD
-        for i in layers[d]:
-            pos[i] = (x, PAD + d * (NODE_H + V_GAP), width[i])
-            x += width[i] + H_GAP
-    w = max((x + wd for x, _, wd in pos.values()), default=0) + PAD
-    h = (max(layers, default=0) + 1) * (NODE_H + V_GAP) + PAD
-    return pos, w, h
+    Example:
+        >>> is_bookkeeping("aten.unsqueeze.default"), is_bookkeeping("aten.linear")
+        (True, False)
+    """
+    parts = op.split(".")
+    base = parts[1] if parts[0] == "aten" and len(parts) > 1 else parts[0]
+    return base in BOOKKEEPING
 
 
-def _short(text: str, n: int) -> str:
-    return text if len(text) <= n else text[: n - 1] + "…"
+class _Strings:
+    """Interned strings: the page's rows and nodes name each distinct string once."""
+
+    def __init__(self) -> None:
+        self.index: dict[str, int] = {}
+
+    def __call__(self, text: str) -> int:
+        return self.index.setdefault(str(text), len(self.index))
+
+    def table(self) -> list[str]:
+        return list(self.index)
 
 
-def to_svg(insp: Inspection) -> str:
-    """The graph as an inline SVG element."""
+def page_data(insp: Inspection) -> dict[str, Any]:
+    """What the page's script draws: rows, the drawn graph, the module tree, colours."""
+    s = _Strings()
+    rows = [[r["name"], s(r["op"]), s(r["module"]), s(r["precision"]), s(r["reason"]),
+             int(r.get("flops", 0) or 0),
+             2 if r["op"] in INPUT_OPS else 1 if r["op"] in PARAM_OPS else 0]
+            for r in insp.nodes]
     view = insp.view
-    pos, w, h = layout(view)
-    changed = {c["name"] for c in (insp.diff or {}).get("changed", [])}
-    anchors = _anchors(insp)
-    out = [f'<svg width="{w:.0f}" height="{h:.0f}" '
-           f'viewBox="0 0 {w:.0f} {h:.0f}" role="img" aria-label="precision graph">',
-           '<defs><marker id="arrow" viewBox="0 0 10 10" refX="10" refY="5" markerWidth="6" '
-           'markerHeight="6" orient="auto"><path d="M0,0 L10,5 L0,10 z" fill="#888"/></marker>'
-           '</defs>']
+    index = {n.id: i for i, n in enumerate(view.nodes)}
+    feeds: dict[str, Any] = {}
     for a, b in view.edges:
-        if a not in pos or b not in pos:
-            continue
-        x1, y1, w1 = pos[a]
-        x2, y2, w2 = pos[b]
-        sx, sy, tx, ty = x1 + w1 / 2, y1 + NODE_H, x2 + w2 / 2, y2
-        my = (sy + ty) / 2
-        out.append(f'<path class="edge" d="M{sx:.0f},{sy:.0f} C{sx:.0f},{my:.0f} {tx:.0f},'
-                   f'{my:.0f} {tx:.0f},{ty:.0f}" marker-end="url(#arrow)"/>')
+        feeds.setdefault(a, view.nodes[index[b]] if b in index else None)
+    nodes = []
     for n in view.nodes:
-        x, y, wd = pos[n.id]
-        fill = COLORS.get(n.precision, COLORS["n/a"])
-        cls = "node changed" if n.kind == "op" and n.label in changed else "node"
-        search = " ".join((n.label, n.op, n.module, n.precision)).lower()
-        rx = 17 if n.kind in ("input", "output", "cast") else 5
-        if n.kind == "cast":
-            line1, line2 = n.label, n.detail if len(n.detail) <= 13 else "…" + n.detail[-12:]
-        else:
-            line1, line2 = _short(n.label, 22), _short(f"{n.op} {n.precision}", 24)
-        tip = f"{n.label} | {n.op} | {n.module} | {n.precision} | {n.detail}"
-        href = anchors.get(n.label)
-        open_a, close_a = (f'<a href="#{escape(href)}">', "</a>") if href else ("", "")
-        out.append(
-            f'<g class="{cls}" data-search="{escape(search)}">{open_a}'
-            f"<title>{escape(tip)}</title>"
-            f'<rect x="{x:.0f}" y="{y:.0f}" width="{wd}" height="{NODE_H}" rx="{rx}" '
-            f'fill="{fill}" stroke="#555"/>'
-            f'<text x="{x + wd / 2:.0f}" y="{y + 14:.0f}" text-anchor="middle">'
-            f"{escape(line1)}</text>"
-            f'<text x="{x + wd / 2:.0f}" y="{y + 27:.0f}" text-anchor="middle">'
-            f"{escape(line2)}</text>{close_a}</g>")
-    out.append("</svg>")
-    return "\n".join(out)
+        fed = feeds.get(n.id)
+        module = fed.module if n.kind == "cast" and fed is not None and fed.kind == "op" \
+            else n.module
+        feed = f"\u2192 {fed.label}" if n.kind == "cast" and fed is not None else ""
+        nodes.append([n.id, n.label, s(n.op), s(n.precision), n.kind, s(module), s(n.detail),
+                      feed, int(n.kind == "op" and is_bookkeeping(n.op))])
+    edges = [[index[a], index[b]] for a, b in view.edges if a in index and b in index]
+    changed = {c["name"]: c["to"] for c in (insp.diff or {}).get("changed", [])}
+    return {"low": insp.dtype, "rows": rows, "v": nodes, "e": edges,
+            "tree": tree_data(build_tree(insp)), "changed": changed,
+            "colors": COLORS, "s": s.table()}
 
 
-def _anchors(insp: Inspection) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for i, r in enumerate(insp.nodes):
-        out.setdefault(r["name"], f"row-{i}")
-    return out
+def _asset(name: str) -> str:
+    return resources.files("ampgraph.cli").joinpath("page", name).read_text(encoding="utf-8")
+
+
+def _json_script(data: Any) -> str:
+    text = json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+    return text.replace("</", "<\\/")  # never closes the script element early
+
+
+def legend(insp: Inspection) -> str:
+    """The precision chips (buttons that hide and show a precision in every view)."""
+    present = {r["precision"] for r in insp.nodes} | {n.precision for n in insp.view.nodes}
+    order = [p for p in (insp.dtype, "bf16", "fp16", "fp8", "fp32", "fp64", "n/a", "cast")
+             if p in present]
+    order = list(dict.fromkeys(order + sorted(present - set(order))))
+    return "".join(f'<button type="button" data-p="{escape(p)}" aria-pressed="true" '
+                   f'style="background:{COLORS.get(p, COLORS["n/a"])}">{escape(p)}</button>'
+                   for p in order)
 
 
 def to_html(insp: Inspection) -> str:
     """The whole page."""
     title = f"ampgraph inspect {insp.target}: {insp.level} {insp.dtype}"
-    legend = "".join(f'<span style="background:{COLORS.get(p, COLORS["n/a"])}">{escape(p)}'
-                     "</span>" for p in sorted({n.precision for n in insp.view.nodes}))
+    if insp.summary.get("mode"):
+        title += f" ({insp.summary['mode']} mode)"
     summary = "".join(f"<dt>{escape(k)}</dt><dd>{escape(v)}</dd>"
                       for k, v in summary_lines(insp))
-    head = "".join(f"<th>{k}</th>" for k in ROW_KEYS)
-    rows = []
-    for i, r in enumerate(insp.nodes):
-        p = r["precision"]
-        cells = "".join(
-            f'<td class="p" style="background:{COLORS.get(p, COLORS["n/a"])}">{escape(p)}</td>'
-            if k == "precision" else f"<td>{escape(r[k])}</td>" for k in ROW_KEYS)
-        rows.append(f'<tr id="row-{i}">{cells}</tr>')
+    ops = sum(1 for r in insp.nodes if r["op"] not in INPUT_OPS + PARAM_OPS)
+    rest = len(insp.nodes) - ops
     parts = [
         "<!DOCTYPE html>",
         '<html lang="en">',
@@ -183,38 +129,77 @@ def to_html(insp: Inspection) -> str:
         '<meta charset="utf-8">',
         f'<meta name="generator" content="ampgraph ({SCHEMA})">',
         f"<title>{escape(title)}</title>",
-        f"<style>{_CSS}</style>",
+        f"<style>{_asset('report.css')}</style>",
         "</head>",
         "<body>",
         f"<h1>{escape(title)}</h1>",
         f'<dl class="summary">{summary}</dl>',
-        f'<h2>Graph</h2><p class="legend">{legend} (casts are their own nodes; parameters '
-        "are not drawn, their casts are)</p>",
-        f'<div class="graph">{to_svg(insp)}</div>',
+        f'<p class="legend">{legend(insp)} <small>(click a precision to hide or show it; '
+        "a bar is a module's matmul/conv FLOPs by precision)</small></p>",
+        '<h2>Modules</h2><div id="tree"></div>',
     ]
     if insp.diff is not None:
-        parts.append(_diff_html(insp))
+        parts.append(diff_html(insp))
     parts += [
-        "<h2>Nodes</h2>",
-        '<p><input id="q" type="search" placeholder="filter: name, op, module, precision, '
-        'reason" aria-label="filter nodes"> <span id="count"></span></p>',
-        f'<table class="nodes"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}'
-        "</tbody></table>",
-        f"<script>{_JS}</script>",
+        f'<details id="all-ops"><summary>All {ops} ops</summary></details>',
+        f'<details id="all-params"><summary>Inputs, parameters and buffers ({rest})'
+        "</summary></details>",
+        f'<script type="application/json" id="amp-data">{_json_script(page_data(insp))}'
+        "</script>",
+        f"<script>{_asset('report.js')}</script>",
         "</body>",
         "</html>",
     ]
     return "\n".join(parts) + "\n"
 
 
-def _diff_html(insp: Inspection) -> str:
+def _cell(p: Any) -> str:
+    text = escape(str(p))
+    return f'<td class="p" style="background:{COLORS.get(str(p), "#ffffff")}">{text}</td>'
+
+
+def diff_html(insp: Inspection) -> str:
+    """The ``--diff`` section: the summary numbers of both levels (casts, FLOP shares by
+    precision, parameter and activation bytes, op counts) and the nodes that change
+    precision, cells coloured by precision."""
     d = insp.diff
     a, b = insp.level, d["level"]
+    s = d["summary"]
+
+    def shares(i: int) -> dict[str, float]:
+        return flop_shares({k: v[i] if v[i] is not None else 0.0 for k, v in s.items()
+                            if k in ("low_flops_share", "fp8_flops_share",
+                                     "matmul_conv_flops")}, (insp.dtype, d["dtype"])[i])
+
+    lines = [("casts", *(str(x) for x in s["casts"]))]
+    for (p0, v0), (p1, v1) in zip(shares(0).items(), shares(1).items()):
+        name = p0 if p0 == p1 else f"{p0} / {p1}"
+        lines.append((f"FLOP share {name}", f"{100 * v0:.1f}%", f"{100 * v1:.1f}%"))
+    for key, label in (("param_bytes_runtime", "parameters at run time"),
+                       ("activation_bytes", "activations (node outputs)")):
+        if key in s:
+            lines.append((label, *(human_bytes(x or 0) for x in s[key])))
+    if "activation_saving" in s:
+        lines.append(("activations saved vs fp32",
+                      *(f"{100 * (x or 0):.1f}%" for x in s["activation_saving"])))
+    counts = s.get("ops_by_precision") or s["by_precision"]
+    for p in sorted(set(counts[0] or {}) | set(counts[1] or {})):
+        lines.append((f"ops {p}", str((counts[0] or {}).get(p, 0)),
+                      str((counts[1] or {}).get(p, 0))))
+    numbers = "".join(f"<tr><td>{escape(k)}</td><td>{escape(x)}</td><td>{escape(y)}</td>"
+                      "</tr>" for k, x, y in lines)
     rows = "".join(
         f"<tr><td>{escape(c['name'])}</td><td>{escape(c['op'])}</td>"
-        f"<td>{escape(c['module'])}</td><td>{escape(c['from'])}</td><td>{escape(c['to'])}</td>"
+        f"<td>{escape(c['module'])}</td>{_cell(c['from'])}{_cell(c['to'])}"
         f"<td>{escape(c['reason'])}</td></tr>" for c in d["changed"])
-    return (f"<h2>{escape(a)} &rarr; {escape(b)}: {len(d['changed'])} node(s) change "
-            f"precision</h2><table><thead><tr><th>name</th><th>op</th><th>module</th>"
+    only = ""
+    if d.get("only_in_base") or d.get("only_in_other"):
+        only = (f"<p>only at {escape(a)}: {len(d.get('only_in_base', []))} node(s); only at "
+                f"{escape(b)}: {len(d.get('only_in_other', []))} node(s)</p>")
+    return (f'<h2 id="diff">{escape(a)} &rarr; {escape(b)}: {len(d["changed"])} node(s) change '
+            f"precision</h2>"
+            f'<table class="diffsum"><thead><tr><th></th><th>{escape(a)}</th>'
+            f"<th>{escape(b)}</th></tr></thead><tbody>{numbers}</tbody></table>{only}"
+            f"<table><thead><tr><th>name</th><th>op</th><th>module</th>"
             f"<th>{escape(a)}</th><th>{escape(b)}</th><th>reason ({escape(b)})</th></tr>"
             f"</thead><tbody>{rows}</tbody></table>")

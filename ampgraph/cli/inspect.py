@@ -30,16 +30,17 @@ def inspect_target(target: Target, args: argparse.Namespace,
 
 
 def inspect_module(spec: str, model: Any, inputs: tuple, level: str, dtype: str,
-                   train: bool, debug: bool = False, fp8: str | None = None) -> Inspection:
-    """Compile ``model`` at ``level`` (with ``fp8``: an FP8 recipe of that scaling),
-    capture it on ``inputs`` and collect the report."""
+                   train: bool, debug: bool = False, fp8: Any = None) -> Inspection:
+    """Compile ``model`` at ``level`` (with ``fp8``: an ``FP8Recipe``, or the scaling of
+    the default one), capture it on ``inputs`` and collect the report."""
     import torch
 
     import ampgraph
     from ampgraph.cli.analysis import fx_stats, fx_view
 
     try:
-        recipe = None if fp8 is None or level == "O0" else ampgraph.FP8Recipe(scaling=fp8)
+        recipe = None if fp8 is None or level == "O0" else (
+            fp8 if isinstance(fp8, ampgraph.FP8Recipe) else ampgraph.FP8Recipe(scaling=fp8))
         net = ampgraph.compile(model, amp_level=level, dtype=dtype, fp8=recipe)
     except ValueError as exc:
         raise CliError(one_line(exc)) from exc
@@ -65,7 +66,7 @@ def _onnx(target: Target, args: argparse.Namespace, levels: list[str]) -> list[I
     for level in levels:
         result = convert(model, level, dtype)
         low = "fp32" if level == "O0" else dtype
-        rows = onnx_rows(model, result, low)
+        rows = onnx_rows(model, result, low, fixed)
         summary = summarize(rows, result.casts, onnx_stats(model, result, fixed),
                             input_shapes=[list(s) for s in fixed.values()],
                             kept_fp32_by_pass=dict(result.forced))
