@@ -26,3 +26,17 @@ def no_leaked_trace_annotation():
     fx_traceback.current_meta.pop("custom", None)
     yield
     fx_traceback.current_meta.pop("custom", None)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The tests of a module that builds something once for the module (a module- or
+    session-scoped fixture of its own: the CLI runs, HF reports, exported models) share one
+    xdist group: with ``--dist loadgroup`` (the README's test command) they run in one
+    worker, which builds it once, instead of in each worker that gets one of them."""
+    for item in items:
+        defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+        shared = any(d.scope in ("module", "session") and d.baseid
+                     and item.nodeid.startswith(d.baseid.rstrip("/"))
+                     for ds in defs.values() for d in ds)
+        if shared:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
