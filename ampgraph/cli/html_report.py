@@ -67,7 +67,15 @@ class _Strings:
 
 
 def page_data(insp: Inspection) -> dict[str, Any]:
-    """What the page's script draws: rows, the drawn graph, the module tree, colours."""
+    """What the page's script draws: rows, the drawn graph, the module tree, colours;
+    strings are interned (``s``) and rows are ``[name, op, module, precision, reason,
+    flops, kind]`` (kind 0: a computation, 1: a parameter or buffer, 2: an input).
+
+    Example:
+        >>> data = page_data(inspection)
+        >>> data["s"][data["rows"][1][3]]
+        'bf16'
+    """
     s = _Strings()
     rows = [[r["name"], s(r["op"]), s(r["module"]), s(r["precision"]), s(r["reason"]),
              int(r.get("flops", 0) or 0),
@@ -103,7 +111,13 @@ def _json_script(data: Any) -> str:
 
 
 def legend(insp: Inspection) -> str:
-    """The precision chips (buttons that hide and show a precision in every view)."""
+    """The precision chips (buttons that hide and show a precision in every view): the
+    low dtype first, then fp8, fp32, n/a and cast, those the report has.
+
+    Example:
+        >>> legend(inspection).count("<button")
+        4
+    """
     present = {r["precision"] for r in insp.nodes} | {n.precision for n in insp.view.nodes}
     order = [p for p in (insp.dtype, "bf16", "fp16", "fp8", "fp32", "fp64", "n/a", "cast")
              if p in present]
@@ -114,7 +128,12 @@ def legend(insp: Inspection) -> str:
 
 
 def to_html(insp: Inspection) -> str:
-    """The whole page."""
+    """The whole page: one file, nothing fetched.
+
+    Example:
+        >>> Path("report.html").write_text(to_html(inspect_module(spec, m, inputs, "O2",
+        ...                                                        "bf16", False)))
+    """
     title = f"ampgraph inspect {insp.target}: {insp.level} {insp.dtype}"
     if insp.summary.get("mode"):
         title += f" ({insp.summary['mode']} mode)"
@@ -161,7 +180,13 @@ def _cell(p: Any) -> str:
 def diff_html(insp: Inspection) -> str:
     """The ``--diff`` section: the summary numbers of both levels (casts, FLOP shares by
     precision, parameter and activation bytes, op counts) and the nodes that change
-    precision, cells coloured by precision."""
+    precision, cells coloured by precision.
+
+    Example:
+        >>> base.diff = diff(base, other)
+        >>> diff_html(base).startswith('<h2 id="diff">O2 &rarr; O1')
+        True
+    """
     d = insp.diff
     a, b = insp.level, d["level"]
     s = d["summary"]
