@@ -19,6 +19,7 @@ from ampgraph.capture.guards import StateGuards
 from ampgraph.capture.hf_caches import register_hf_caches
 from ampgraph.capture.numbers import as_numbers, as_tensors
 from ampgraph.capture.opaque import describe_opaque_nodes
+from ampgraph.capture.side_effects import parameter_caches
 from ampgraph.capture.structure import (
     Flattener,
     assign_contents,
@@ -70,6 +71,7 @@ class ExportRoot(nn.Module):
         watch = active()
         if watch is not None:  # what stood in for its tensors: a cache of them is no leak
             watch.own.update(map(id, (*model.parameters(), *model.buffers())))
+            watch.own.update(parameter_caches(model, (args, kwargs)))
         flattener = Flattener(objs)
         spec = flattener.walk(out)
         writeback = []

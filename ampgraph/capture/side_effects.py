@@ -237,6 +237,72 @@ def own_caches(effects: list[Effect], own: set[int], snap: StateSnapshot) -> lis
     return kept
 
 
+def parameter_caches(model: nn.Module, inputs: Any) -> set[int]:
+    """Within a trace, at the end of forward: the ids of the fake tensors held in the lists,
+    dicts and sets of the model's modules that the trace computed without the inputs: from
+    parameters, buffers and constants only. (A tensor attribute assigned in forward stays a
+    side effect whatever it is computed from: the user may read it.)
+
+    A forward that caches such a tensor (timm's LeViT, EfficientFormerV2, TinyViT keep
+    ``attention_biases[:, idxs]`` in an ``attention_bias_cache`` dict in eval mode) stores a
+    value the graph computes again on every call from the same parameters: the cache is put
+    back as it was (:func:`own_caches`), and no module leaves the graph for it. A tensor
+    computed from an input (a log, a recurrent state) stays a side effect.
+
+    Example:
+        >>> watch.own.update(parameter_caches(model, (args, kwargs)))  # doctest: +SKIP
+    """
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
+
+    mode = get_proxy_mode()
+    if mode is None:
+        return set()
+
+    def node(t: torch.Tensor) -> Any:
+        proxy = get_proxy_slot(t, mode.tracer, None)
+        return getattr(getattr(proxy, "proxy", None), "node", None)
+
+    sources = {n for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor)
+               for n in (node(t),) if n is not None}
+    if not sources:
+        return set()
+    found: dict[int, torch.Tensor] = {}
+    for m in model.modules():
+        for k, v in m.__dict__.items():
+            if k not in MODULE_STATE and isinstance(v, _CONTAINERS):  # caches, not attributes
+                _fakes(v, found, 1)
+    own = set()
+    for i, t in found.items():
+        n = node(t)
+        if n is not None and not _reaches(n, sources):
+            own.add(i)
+    return own
+
+
+def _fakes(value: Any, found: dict[int, torch.Tensor], depth: int = 0) -> None:
+    if isinstance(value, FakeTensor):
+        found[id(value)] = value
+    elif depth < 3 and isinstance(value, dict):
+        for v in list(value.values())[:64]:
+            _fakes(v, found, depth + 1)
+    elif depth < 3 and isinstance(value, (list, tuple, set)):
+        for v in list(value)[:64]:
+            _fakes(v, found, depth + 1)
+
+
+def _reaches(node: Any, sources: set) -> bool:
+    """Whether ``node`` is computed from one of ``sources`` (graph ancestors)."""
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n in sources:
+            return True
+        if n not in seen:
+            seen.add(n)
+            todo.extend(n.all_input_nodes)
+    return False
+
+
 def write_effects(writes: dict, labels: dict[int, str]) -> list[Effect]:
     """The attributes forward assigned (``Watch.writes``; torch.export silently put those
     of submodules back), as effects of their modules."""
