@@ -303,6 +303,48 @@ def _reaches(node: Any, sources: set) -> bool:
     return False
 
 
+def scratch_state(effects: list[Effect], scratch: set[tuple[int, str]],
+                  written_first: set[tuple[int, str]], snap: StateSnapshot) -> list[Effect]:
+    """``effects`` less the writes of scratch state, which forward sets on every call
+    before it reads it: what the attribute held before the call never reaches the graph,
+    so no module leaves the graph for it and no second export is needed.
+
+    - an attribute forward wrote before reading it, then read back (``Watch.scratch``:
+      funnel's ``pooling_mult``): a plain value is left as eager leaves it, a traced one is
+      put back as it was;
+    - an attribute forward wrote before reading it and never read, set to a size of the
+      inputs (funnel's ``attention_structure.seq_len = inputs_embeds.size(1)``, a symbolic
+      int with a hint): put back as it was (it keeps its value from before the call;
+      docs/faithfulness.md says so). Any other value forward writes and never reads itself
+      (``self.last = loss.item()``, a tensor) is for the user: it stays a side effect."""
+    kept, traced = [], []
+    for e in effects:
+        key = (id(e.owners[0].__dict__), e.key[2]) if (
+            e.key[:1] == ("attr",) and len(e.owners) == 1) else None
+        if key is None or not (key in scratch or key in written_first and _a_size(e.value)):
+            kept.append(e)
+        elif e.leak:
+            traced.append(e)
+        elif e.value is DELETED:
+            e.owners[0].__dict__.pop(e.key[2], None)
+        else:
+            e.owners[0].__dict__[e.key[2]] = e.value
+    if traced:
+        snap.restore(traced)
+    return kept
+
+
+def _a_size(value: Any) -> bool:
+    """A symbolic int the trace knows a value of: a size of the inputs (not ``.item()``)."""
+    from torch.fx.experimental import symbolic_shapes
+
+    if not isinstance(value, torch.SymInt):
+        return False  # torch 2.13 names it has_guarding_hint, 2.11 has_hint
+    check = getattr(symbolic_shapes, "has_guarding_hint", None) or getattr(
+        symbolic_shapes, "has_hint", None)
+    return bool(check(value)) if check else getattr(value.node, "hint", None) is not None
+
+
 def write_effects(writes: dict, labels: dict[int, str]) -> list[Effect]:
     """The attributes forward assigned (``Watch.writes``; torch.export silently put those
     of submodules back), as effects of their modules."""

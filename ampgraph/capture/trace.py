@@ -43,6 +43,7 @@ from ampgraph.capture.side_effects import (
     StateSnapshot,
     own_caches,
     reapply,
+    scratch_state,
     traced_tensor_hooks,
     write_effects,
 )
@@ -89,6 +90,7 @@ def _traced(model: nn.Module, root: nn.Module, inputs: tuple, name: str) -> tupl
             continue
         effects = own_caches(snap.effects() + write_effects(watch.writes, labels), watch.own,
                              snap)
+        effects = scratch_state(effects, watch.scratch, watch.written_first, snap)
         if not effects:
             snap.keep_containers()
             return ep, watch

@@ -62,6 +62,11 @@ class Watch:
         # name, value or DELETED, the value before the first write or ABSENT);
         # torch.export puts them back afterwards, silently
         self.writes: dict[tuple[int, str], tuple[nn.Module, str, Any, Any]] = {}
+        # the attributes forward wrote before reading them, and of those, the ones it read
+        # back (scratch state: funnel's attention_structure.seq_len): what they held
+        # before the call is never used, and forward itself uses what it wrote
+        self.written_first: set[tuple[int, str]] = set()
+        self.scratch: set[tuple[int, str]] = set()
 
     def wrote(self, obj: Any, name: str, value: Any) -> None:
         if self.paused or name in MODULE_STATE or name in (
@@ -69,6 +74,8 @@ class Watch:
             return  # a fake run's writes are undone; a buffer assigned is traced
         d = object.__getattribute__(obj, "__dict__")
         key = (id(d), name)
+        if key not in self.writes and key not in self.reads:
+            self.written_first.add(key)
         before = self.writes[key][3] if key in self.writes else d.get(name, ABSENT)
         self.writes[key] = (obj, name, value, before)
 
@@ -76,6 +83,10 @@ class Watch:
         if self.paused or name in MODULE_STATE:  # a call kept out of the graph: its own
             return
         d = object.__getattribute__(obj, "__dict__")
+        if (id(d), name) in self.writes:  # forward's own value, not the state it was given
+            if (id(d), name) in self.written_first:
+                self.scratch.add((id(d), name))
+            return
         if d.get(name, _ABSENT) is value:
             self.reads.setdefault((id(d), name), (d, name, value))
 

@@ -95,6 +95,27 @@ class CacheHolder(Holder):
         self.inner = BiasCache(from_input)
 
 
+class Scratch(MLP):
+    """Funnel's attention structure: forward first sets attributes (the sequence length,
+    a multiplier), then reads them."""
+
+    def forward(self, x):
+        self.rows = x.shape[0]
+        self.mult = 1
+        h = self.act(self.a(x))
+        self.mult = self.mult * 2
+        return self.b(h * self.mult / self.rows)
+
+
+def rows_of(n: int):
+    def scenario(call, model):
+        out = []
+        for s in range(n):
+            out += step(call, model, inputs(n=3 + s, seed=s))
+        return out + [model.mult]
+    return scenario
+
+
 def evaluated(n: int, what):
     """``n`` inference calls in eval mode (as LeViT caches), then ``what`` of the model."""
     def scenario(call, model):
@@ -146,6 +167,9 @@ CASES = [
          CacheHolder, evaluated(3, lambda m: [all(type(t) is torch.Tensor
                                                  for t in m.inner.cache.values())]),
          after=whole),
+    # written before read on every call: the graph holds it, the rows as a symbolic size
+    Case("forward setting attributes before reading them (funnel's seq_len)", Scratch,
+         rows_of(3), after=whole),
     Case("a child caching its first activations in a dict", lambda: CacheHolder(True),
          evaluated(3, lambda m: [len(m.inner.cache), type(m.inner.cache["bias"]).__name__]),
          warns="inner could not be captured whole .*inner.cache"),
@@ -179,3 +203,25 @@ def test_the_users_list_object_stays_the_users():
             net(inputs())
     assert model.inner.log is log and len(log) == 2
     assert all(type(t) is torch.Tensor for t in log)
+
+
+class SizeKept(MLP):
+    """Funnel's attention structure: ``self.seq_len = x.size(0)`` on every call, never read."""
+
+    def forward(self, x):
+        self.seq_len = x.size(0)
+        return super().forward(x)
+
+
+def test_a_size_forward_keeps_and_never_reads_leaves_the_model_whole_and_is_put_back():
+    """The documented difference (docs/faithfulness.md): no symbolic value stays in the
+    model, no module leaves the graph, and the attribute keeps its value from before."""
+    import ampgraph
+
+    model = SizeKept()
+    model.seq_len = None
+    net = ampgraph.compile(model, "O2", "bf16")
+    for n in (3, 5):
+        out = net(inputs(n=n))
+        assert out.shape == (n, 4)
+    assert model.seq_len is None and net._amp_eager is None and net.amp_parts()[1] == []
