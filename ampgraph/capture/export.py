@@ -19,7 +19,7 @@ from ampgraph.capture.guards import StateGuards
 from ampgraph.capture.hf_caches import register_hf_caches
 from ampgraph.capture.numbers import as_numbers, as_tensors
 from ampgraph.capture.opaque import describe_opaque_nodes
-from ampgraph.capture.side_effects import parameter_caches
+from ampgraph.capture.own_state import parameter_caches
 from ampgraph.capture.structure import (
     Flattener,
     assign_contents,

@@ -40,7 +40,7 @@ from torch.utils import _pytree as pytree
 
 from ampgraph.capture.watch import DELETED, MODULE_STATE, active
 
-_CONTAINERS = (list, dict, set)
+CONTAINERS = (list, dict, set)  # the containers whose contents are compared
 _SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
 
 
@@ -94,15 +94,15 @@ class StateSnapshot:
             where, owners = f"{fn.__module__}.{fn.__qualname__}", tuple(modules)
             for var in fn.__code__.co_names:
                 value = fn.__globals__.get(var)
-                if isinstance(value, _CONTAINERS):
+                if isinstance(value, CONTAINERS):
                     self._hold(f"the global {var} of {where}", owners, value)
             for var, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
                 with contextlib.suppress(ValueError):  # an empty cell
-                    if isinstance(cell.cell_contents, _CONTAINERS):
+                    if isinstance(cell.cell_contents, CONTAINERS):
                         self._hold(f"{var} in the closure of {where}", owners, cell.cell_contents)
 
     def _hold(self, where: str, owners: tuple, value: Any) -> None:
-        if isinstance(value, _CONTAINERS) and id(value) not in self._held:
+        if isinstance(value, CONTAINERS) and id(value) not in self._held:
             self._held[id(value)] = (where, owners, value, _contents(value))
 
     def effects(self) -> list[Effect]:
@@ -116,11 +116,11 @@ class StateSnapshot:
                     continue
                 if _replaced_by_copy(before, after):  # export's own restoration
                     continue
-                out.append(Effect(f"{label}.{k}", (m,), _traced(after), ("attr", id(m), k),
+                out.append(Effect(f"{label}.{k}", (m,), holds_traced(after), ("attr", id(m), k),
                                   after))
         for where, owners, obj, contents in self._held.values():
             if not _same_contents(obj, contents):
-                out.append(Effect(where, owners, _traced(obj), ("held", id(obj)), obj))
+                out.append(Effect(where, owners, holds_traced(obj), ("held", id(obj)), obj))
         return out
 
     def restore(self, effects: list[Effect] | None = None) -> None:
@@ -195,7 +195,7 @@ def _replaced_by_copy(before: Any, after: Any) -> bool:
     (whose contents the held copies judge), a tuple of the same leaves."""
     if before is after or type(before) is not type(after):
         return False
-    if isinstance(before, _CONTAINERS):
+    if isinstance(before, CONTAINERS):
         return True
     try:
         old, old_spec = pytree.tree_flatten(before)
@@ -206,7 +206,7 @@ def _replaced_by_copy(before: Any, after: Any) -> bool:
         a is b for a, b in zip(old, new)) and not (len(old) == 1 and old[0] is before)
 
 
-def _traced(value: Any, own: set[int] = frozenset(), depth: int = 0) -> bool:
+def holds_traced(value: Any, own: set[int] = frozenset(), depth: int = 0) -> bool:
     """Whether ``value`` holds a fake tensor or a symbolic value (a bounded search); the
     fake tensors whose ids are in ``own`` do not count."""
     if isinstance(value, weakref.ref):  # nn.LSTM's _flat_weight_refs
@@ -218,131 +218,10 @@ def _traced(value: Any, own: set[int] = frozenset(), depth: int = 0) -> bool:
     if depth > 3:
         return False
     if isinstance(value, dict):
-        return any(_traced(v, own, depth + 1) for v in list(value.values())[:64])
+        return any(holds_traced(v, own, depth + 1) for v in list(value.values())[:64])
     if isinstance(value, (list, tuple, set)):
-        return any(_traced(v, own, depth + 1) for v in list(value)[:64])
+        return any(holds_traced(v, own, depth + 1) for v in list(value)[:64])
     return False
-
-
-def own_caches(effects: list[Effect], own: set[int], snap: StateSnapshot) -> list[Effect]:
-    """``effects`` less the caches of the model's own tensors: a change whose new value
-    holds only the fake tensors that stood in for the model's parameters and buffers
-    (``nn.LSTM``'s ``_flat_weights``, rebuilt from its parameters on every call) is put
-    back at once and is no side effect."""
-    kept, caches = [], []
-    for e in effects:
-        (caches if _traced(e.value) and not _traced(e.value, own) else kept).append(e)
-    if caches:
-        snap.restore(caches)
-    return kept
-
-
-def parameter_caches(model: nn.Module, inputs: Any) -> set[int]:
-    """Within a trace, at the end of forward: the ids of the fake tensors held in the lists,
-    dicts and sets of the model's modules that the trace computed without the inputs: from
-    parameters, buffers and constants only. (A tensor attribute assigned in forward stays a
-    side effect whatever it is computed from: the user may read it.)
-
-    A forward that caches such a tensor (timm's LeViT, EfficientFormerV2, TinyViT keep
-    ``attention_biases[:, idxs]`` in an ``attention_bias_cache`` dict in eval mode) stores a
-    value the graph computes again on every call from the same parameters: the cache is put
-    back as it was (:func:`own_caches`), and no module leaves the graph for it. A tensor
-    computed from an input (a log, a recurrent state) stays a side effect.
-
-    Example:
-        >>> watch.own.update(parameter_caches(model, (args, kwargs)))  # doctest: +SKIP
-    """
-    from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
-
-    mode = get_proxy_mode()
-    if mode is None:
-        return set()
-
-    def node(t: torch.Tensor) -> Any:
-        proxy = get_proxy_slot(t, mode.tracer, None)
-        return getattr(getattr(proxy, "proxy", None), "node", None)
-
-    sources = {n for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor)
-               for n in (node(t),) if n is not None}
-    if not sources:
-        return set()
-    found: dict[int, torch.Tensor] = {}
-    for m in model.modules():
-        for k, v in m.__dict__.items():
-            if k not in MODULE_STATE and isinstance(v, _CONTAINERS):  # caches, not attributes
-                _fakes(v, found, 1)
-    own = set()
-    for i, t in found.items():
-        n = node(t)
-        if n is not None and not _reaches(n, sources):
-            own.add(i)
-    return own
-
-
-def _fakes(value: Any, found: dict[int, torch.Tensor], depth: int = 0) -> None:
-    if isinstance(value, FakeTensor):
-        found[id(value)] = value
-    elif depth < 3 and isinstance(value, dict):
-        for v in list(value.values())[:64]:
-            _fakes(v, found, depth + 1)
-    elif depth < 3 and isinstance(value, (list, tuple, set)):
-        for v in list(value)[:64]:
-            _fakes(v, found, depth + 1)
-
-
-def _reaches(node: Any, sources: set) -> bool:
-    """Whether ``node`` is computed from one of ``sources`` (graph ancestors)."""
-    seen, todo = set(), [node]
-    while todo:
-        n = todo.pop()
-        if n in sources:
-            return True
-        if n not in seen:
-            seen.add(n)
-            todo.extend(n.all_input_nodes)
-    return False
-
-
-def scratch_state(effects: list[Effect], scratch: set[tuple[int, str]],
-                  written_first: set[tuple[int, str]], snap: StateSnapshot) -> list[Effect]:
-    """``effects`` less the writes of scratch state, which forward sets on every call
-    before it reads it: what the attribute held before the call never reaches the graph,
-    so no module leaves the graph for it and no second export is needed.
-
-    - an attribute forward wrote before reading it, then read back (``Watch.scratch``:
-      funnel's ``pooling_mult``): a plain value is left as eager leaves it, a traced one is
-      put back as it was;
-    - an attribute forward wrote before reading it and never read, set to a size of the
-      inputs (funnel's ``attention_structure.seq_len = inputs_embeds.size(1)``, a symbolic
-      int with a hint): put back as it was (it keeps its value from before the call;
-      docs/faithfulness.md says so). Any other value forward writes and never reads itself
-      (``self.last = loss.item()``, a tensor) is for the user: it stays a side effect."""
-    kept, traced = [], []
-    for e in effects:
-        key = (id(e.owners[0].__dict__), e.key[2]) if (
-            e.key[:1] == ("attr",) and len(e.owners) == 1) else None
-        if key is None or not (key in scratch or key in written_first and _a_size(e.value)):
-            kept.append(e)
-        elif e.leak:
-            traced.append(e)
-        elif e.value is DELETED:
-            e.owners[0].__dict__.pop(e.key[2], None)
-        else:
-            e.owners[0].__dict__[e.key[2]] = e.value
-    if traced:
-        snap.restore(traced)
-    return kept
-
-
-def _a_size(value: Any) -> bool:
-    """A symbolic int the trace knows a value of: a size of the inputs (not ``.item()``)."""
-    from torch.fx.experimental import symbolic_shapes
-
-    if not isinstance(value, torch.SymInt):
-        return False  # torch 2.13 names it has_guarding_hint, 2.11 has_hint
-    check = getattr(symbolic_shapes, "has_guarding_hint", None) or getattr(
-        symbolic_shapes, "has_hint", None)
-    return bool(check(value)) if check else getattr(value.node, "hint", None) is not None
 
 
 def write_effects(writes: dict, labels: dict[int, str]) -> list[Effect]:
@@ -353,7 +232,7 @@ def write_effects(writes: dict, labels: dict[int, str]) -> list[Effect]:
         if value is not DELETED and _equal_plain(before, value):
             continue  # the same value again (a mode flag set on every call)
         where = f"{labels.get(id(module), type(module).__name__)}.{name}"
-        out.append(Effect(where, (module,), _traced(value), ("attr", id(module), name), value))
+        out.append(Effect(where, (module,), holds_traced(value), ("attr", id(module), name), value))
     return out
 
 
@@ -363,7 +242,7 @@ def reapply(writes: dict) -> None:
     for module, name, value, _ in writes.values():
         if value is DELETED:
             module.__dict__.pop(name, None)
-        elif not _traced(value) and name not in (module.__dict__.get("_parameters") or ()) \
+        elif not holds_traced(value) and name not in (module.__dict__.get("_parameters") or ()) \
                 and name not in (module.__dict__.get("_modules") or ()):
             module.__dict__[name] = value
 

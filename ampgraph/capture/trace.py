@@ -38,12 +38,11 @@ from ampgraph.capture.functions import opaque_functions
 from ampgraph.capture.hooks import cut_route, quiet_global_hooks
 from ampgraph.capture.logs import quiet_export_logs
 from ampgraph.capture.opaque import release
+from ampgraph.capture.own_state import own_caches, scratch_state
 from ampgraph.capture.side_effects import (
     SideEffect,
     StateSnapshot,
-    own_caches,
     reapply,
-    scratch_state,
     traced_tensor_hooks,
     write_effects,
 )
