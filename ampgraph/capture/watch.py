@@ -74,8 +74,8 @@ class Watch:
             return  # a fake run's writes are undone; a buffer assigned is traced
         d = object.__getattribute__(obj, "__dict__")
         key = (id(d), name)
-        if key not in self.writes and key not in self.reads:
-            self.written_first.add(key)
+        if key not in self.writes and key not in self.reads and key not in self.missing:
+            self.written_first.add(key)  # (a class attribute read first is no scratch)
         before = self.writes[key][3] if key in self.writes else d.get(name, ABSENT)
         self.writes[key] = (obj, name, value, before)
 

@@ -18,7 +18,7 @@ from html import escape
 from importlib import resources
 from typing import Any
 
-from ampgraph.cli.module_tree import build_tree, tree_data
+from ampgraph.cli.module_tree import build_tree, cast_feeds, tree_data
 from ampgraph.cli.render import (
     COLORS,
     INPUT_OPS,
@@ -27,6 +27,7 @@ from ampgraph.cli.render import (
     Inspection,
     flop_shares,
     human_bytes,
+    is_op,
     summary_lines,
 )
 
@@ -83,15 +84,12 @@ def page_data(insp: Inspection) -> dict[str, Any]:
             for r in insp.nodes]
     view = insp.view
     index = {n.id: i for i, n in enumerate(view.nodes)}
-    feeds: dict[str, Any] = {}
-    for a, b in view.edges:
-        feeds.setdefault(a, view.nodes[index[b]] if b in index else None)
+    feeds = cast_feeds(view)  # a cast is drawn in the module of the op it feeds
     nodes = []
     for n in view.nodes:
         fed = feeds.get(n.id)
-        module = fed.module if n.kind == "cast" and fed is not None and fed.kind == "op" \
-            else n.module
-        feed = f"\u2192 {fed.label}" if n.kind == "cast" and fed is not None else ""
+        module = fed.module if fed is not None else n.module
+        feed = f"\u2192 {fed.label}" if fed is not None else ""
         nodes.append([n.id, n.label, s(n.op), s(n.precision), n.kind, s(module), s(n.detail),
                       feed, int(n.kind == "op" and is_bookkeeping(n.op))])
     edges = [[index[a], index[b]] for a, b in view.edges if a in index and b in index]
@@ -139,7 +137,7 @@ def to_html(insp: Inspection) -> str:
         title += f" ({insp.summary['mode']} mode)"
     summary = "".join(f"<dt>{escape(k)}</dt><dd>{escape(v)}</dd>"
                       for k, v in summary_lines(insp))
-    ops = sum(1 for r in insp.nodes if r["op"] not in INPUT_OPS + PARAM_OPS)
+    ops = sum(map(is_op, insp.nodes))
     rest = len(insp.nodes) - ops
     parts = [
         "<!DOCTYPE html>",

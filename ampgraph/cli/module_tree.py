@@ -98,15 +98,24 @@ def build_tree(insp: Inspection) -> ModuleEntry:
     return root
 
 
+def cast_feeds(view: Any) -> dict[str, Any]:
+    """Each cast of the drawn graph (by id) -> the first op it feeds (a ``ViewNode``); a
+    cast that feeds no op is left out."""
+    nodes = {n.id: n for n in view.nodes}
+    feeds: dict[str, Any] = {}
+    for a, b in view.edges:
+        if a in nodes and nodes[a].kind == "cast" and a not in feeds and b in nodes \
+                and nodes[b].kind == "op":
+            feeds[a] = nodes[b]
+    return feeds
+
+
 def cast_modules(insp: Inspection) -> list[str]:
     """The module of each cast of the drawn graph: that of the op it feeds (the first
     such op; the cast's own module when it feeds none)."""
-    nodes = {n.id: n for n in insp.view.nodes}
-    feeds: dict[str, str] = {}
-    for a, b in insp.view.edges:
-        if a not in feeds and b in nodes and nodes[b].kind == "op":
-            feeds[a] = nodes[b].module
-    return [feeds.get(n.id, n.module) for n in insp.view.nodes if n.kind == "cast"]
+    feeds = cast_feeds(insp.view)
+    return [feeds[n.id].module if n.id in feeds else n.module
+            for n in insp.view.nodes if n.kind == "cast"]
 
 
 def _sum(e: ModuleEntry, rows: list[dict[str, Any]]) -> None:
@@ -229,5 +238,5 @@ def tree_data(root: ModuleEntry) -> dict[str, Any]:
     return one(root)
 
 
-__all__ = ["Fold", "ModuleEntry", "build_tree", "cast_modules", "flop_class", "grouped",
-           "plan_difference", "tree_data"]
+__all__ = ["Fold", "ModuleEntry", "build_tree", "cast_feeds", "cast_modules", "flop_class",
+           "grouped", "plan_difference", "tree_data"]
