@@ -28,6 +28,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     compile_options: Mapping[str, Any] | None = None,
     runtime: str | None = None,
     fp8: bool | FP8Recipe | None = None,
+    head_loss: str = "auto",
 ) -> nn.Module:
     """Rewrite ``model``'s graph for mixed precision at ``amp_level``.
 
@@ -72,6 +73,14 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
             products 16-bit), or a recipe. ``explain`` says for each product why it does or
             does not run FP8. On the CPU the FP8 products are emulated exactly (the
             operands rounded to FP8, the product in bf16): for numerics, not speed.
+        head_loss: where the graph computes a cross-entropy on the logits of its last
+            product (an HF language model given ``labels``), run both as one op in
+            chunks of tokens, so the logits never exist whole (docs/training.md#memory):
+            "auto" (default) where nothing else reads the logits; "drop_logits" also
+            where the model returns them, as HF's models do: the output's logits are then
+            None in training mode (evaluation keeps them; Liger-Kernel's patched forwards
+            do the same); "off". ``build_train_step`` drops them for its own calls, which
+            read only the loss. Not with a ``backend``.
 
     Returns:
         An :class:`~ampgraph.AmpModule` sharing ``model``'s parameters.
@@ -102,6 +111,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         compile_options=compile_options,
         runtime=runtime,
         fp8=fp8,
+        head_loss=head_loss,
     )
     return compile_resolved(model, config.resolve(model_device(model)))
 

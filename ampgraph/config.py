@@ -16,6 +16,7 @@ from ampgraph.runtime import RUNTIMES
 from ampgraph.runtime.compiled import parse_compile_options
 from passes.fx.fp8_recipe import FP8Recipe, resolve_fp8
 from passes.fx.policy import FX_TABLE, make_policy
+from passes.fx.routing.head_loss import HEAD_LOSS_MODES
 from passes.policy import FP32, LEVELS, LOW, LevelPolicy
 
 DTYPE_NAMES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -154,6 +155,7 @@ class AmpConfig:
             ``dynamic``, ``fullgraph``); ``dynamic`` is True unless given.
         runtime: the runtime the graphs call ("cpu", "cuda", "aten"); None: the one of
             the model's device (:meth:`resolve`).
+        head_loss: "auto", "drop_logits" or "off" (``passes.fx.routing.head_loss``).
         fp8: None, or the :class:`~passes.fx.fp8_recipe.FP8Recipe` of the products that
             run in FP8 (``True`` at :meth:`create`: the default recipe).
 
@@ -173,6 +175,7 @@ class AmpConfig:
     compile_options: Mapping[str, Any] = field(default_factory=dict)
     runtime: str | None = None
     fp8: FP8Recipe | None = None
+    head_loss: str = "auto"
 
     @classmethod
     def create(cls, **kwargs: Any) -> AmpConfig:
@@ -196,6 +199,9 @@ class AmpConfig:
         if self.fp8 is not None and parse_level(self.amp_level) == "O0":
             raise ValueError("fp8 runs products below the level's 16-bit dtype: use it at "
                              "O1-O3, not O0")
+        if self.head_loss not in HEAD_LOSS_MODES:
+            raise ValueError(f"head_loss must be one of {', '.join(HEAD_LOSS_MODES)}, got "
+                             f"{self.head_loss!r}")
         if self.keep_batchnorm_fp32 not in (None, True, False):
             raise TypeError("keep_batchnorm_fp32 must be None, True or False")
         for name in ("custom_allow", "custom_deny"):

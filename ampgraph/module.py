@@ -33,6 +33,7 @@ from ampgraph.capture.calls import autocast_off, autocast_on, outside_dynamo, ra
 from ampgraph.capture.fallback import EagerPart, EagerPlan, compiled_children
 from ampgraph.capture.generate import route_method
 from ampgraph.capture.hooks import ModuleCall, call_with_hooks, forward_of, has_untraced_hooks
+from ampgraph.capture.loss_only import graph_mode, head_loss_for
 from ampgraph.capture.numbers import as_tensors
 from ampgraph.capture.opaque import release
 from ampgraph.compiled_class import compiled_class
@@ -139,8 +140,7 @@ class AmpModule(nn.Module):
         Example:
             >>> sum(t.numel() * t.element_size() for t in net.working_copies())  # doctest: +SKIP
         """
-        runtime = self._amp_runtime
-        copies = runtime.working_copies() if runtime is not None else []
+        copies = [] if self._amp_runtime is None else self._amp_runtime.working_copies()
         for child in self._parts():
             copies += child.working_copies()
         return copies
@@ -237,9 +237,8 @@ class AmpModule(nn.Module):
         return self._run_hooked(*args, **kwargs)
 
     def _run_hooked(self, *args: Any, **kwargs: Any) -> Any:
-        model = self._amp_model
-        if has_untraced_hooks(model):  # the user's model's own hooks, around the graph
-            return call_with_hooks(model, self._run_graph, args, kwargs)
+        if has_untraced_hooks(self._amp_model):  # the user's model's own hooks, around it
+            return call_with_hooks(self._amp_model, self._run_graph, args, kwargs)
         return self._run_graph(*args, **kwargs)
 
     def _run_graph(self, *args: Any, **kwargs: Any) -> Any:
@@ -269,9 +268,8 @@ class AmpModule(nn.Module):
         return compiled.captured.rebuild(flat, args, kwargs)
 
     def _run_eagerly(self, args: tuple, kwargs: dict) -> Any:
-        if self._amp_eager is not None:
-            return self._amp_eager(*args, **kwargs)
-        return forward_of(self._amp_model)(*args, **kwargs)
+        run = self._amp_eager if self._amp_eager is not None else forward_of(self._amp_model)
+        return run(*args, **kwargs)
 
     forward = SignedForward(_run)
 
@@ -307,7 +305,8 @@ class AmpModule(nn.Module):
             # the state no longer the last graph's: the kept weight copies go (weights may
             # have changed through .data too, which no version shows: PEFT's merge_adapter)
             found = self._amp_cache.select(
-                self.training, leaves, spec, lambda numbers: self._capture(args, kwargs, numbers),
+                graph_mode(self.training), leaves, spec,
+                lambda numbers: self._capture(args, kwargs, numbers),
                 lambda: self._amp_runtime is not None and self._amp_runtime.clear())
             object.__setattr__(self, "_amp_last", self._amp_cache.last)
             return found
@@ -320,7 +319,8 @@ class AmpModule(nn.Module):
         def rewrite(gm: fx.GraphModule) -> Any:  # the AMP passes, the opaque calls bound
             result = run_amp_passes(gm, self._amp_policy, self.amp_dtype,
                                     keep_io_types=cfg.keep_io_types,
-                                    runtime=self._runtime_for(model).ops(cfg.backend), fp8=cfg.fp8)
+                                    runtime=self._runtime_for(model).ops(cfg.backend), fp8=cfg.fp8,
+                                    head_loss=head_loss_for(cfg.head_loss, self.training))
             if cfg.amp_level != "O0" and not any(
                     d.precision != NA for d in result.decisions.values() if d.cls):
                 warnings.warn(f"ampgraph: {self._where()} has no floating-point ops; "

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,44 +109,45 @@ class GraphCache:
         self.where = where
         self.last: Compiled | None = None  # the graph of the last call
 
-    def select(self, training: bool, leaves: list, spec: Any, capture: Capture,
+    def select(self, mode: Hashable, leaves: list, spec: Any, capture: Capture,
                state_changed: Callable[[], None]) -> Compiled | CaptureFailure | None:
         """The graph that runs a call with these flattened inputs, captured with
-        ``capture(numbers)`` if none does; None: run eagerly. ``state_changed`` drops
-        what the runtime kept for the last graph."""
-        numbers = self._numbers(training, leaves, spec)
+        ``capture(numbers)`` if none does; None: run eagerly. ``mode`` keys the graphs
+        apart besides the inputs (the training flag; with ``loss_only``, a pair).
+        ``state_changed`` drops what the runtime kept for the last graph."""
+        numbers = self._numbers(mode, leaves, spec)
         sym = tuple(sorted(numbers.symbolic)) if numbers else ()
-        found = self._cached(training, leaves, spec, sym, state_changed)
+        found = self._cached(mode, leaves, spec, sym, state_changed)
         if found is not False:
             return found
         if numbers is not None and numbers.note(leaves):  # a number took a new value
             tried = tuple(sorted(numbers.symbolic))
-            found = self._cached(training, leaves, spec, tried, state_changed)
+            found = self._cached(mode, leaves, spec, tried, state_changed)
             if found is not False:
                 return found
-            compiled = self._captured(training, leaves, spec, tried, capture)
+            compiled = self._captured(mode, leaves, spec, tried, capture)
             if not isinstance(compiled, CaptureFailure):
                 return compiled
             numbers.refuse(frozenset(tried) - frozenset(sym))  # it stays a constant
         if numbers is not None and not numbers.constant_capture(self.where, leaves, spec):
             return None
-        return self._captured(training, leaves, spec, sym, capture)
+        return self._captured(mode, leaves, spec, sym, capture)
 
-    def _numbers(self, training: bool, leaves: list, spec: Any) -> Numbers | None:
+    def _numbers(self, mode: Hashable, leaves: list, spec: Any) -> Numbers | None:
         positions = number_positions(leaves)
         if not positions:
             return None
-        key = (training, signature_of(leaves, spec, positions))
+        key = (mode, signature_of(leaves, spec, positions))
         numbers = self.numbers.get(key)
         if numbers is None:
             numbers = self.numbers[key] = Numbers()
         return numbers
 
-    def _cached(self, training: bool, leaves: list, spec: Any, sym: tuple,
+    def _cached(self, mode: Hashable, leaves: list, spec: Any, sym: tuple,
                 state_changed: Callable[[], None]) -> Compiled | None | bool:
         """The cached graph that takes these inputs (the numbers at ``sym`` as inputs) in
         the model's present state; None: run eagerly; False: none, capture one."""
-        key = (training, signature_of(leaves, spec, sym))
+        key = (mode, signature_of(leaves, spec, sym))
         graphs = self.graphs.get(key, [])
         given = given_as_tensors(leaves, sym)
         stale = None
@@ -174,9 +175,9 @@ class GraphCache:
             return None
         return False
 
-    def _captured(self, training: bool, leaves: list, spec: Any, sym: tuple,
+    def _captured(self, mode: Hashable, leaves: list, spec: Any, sym: tuple,
                   capture: Capture) -> Compiled | CaptureFailure:
-        key = (training, signature_of(leaves, spec, sym))
+        key = (mode, signature_of(leaves, spec, sym))
         graphs = self.graphs.setdefault(key, [])
         compiled = capture(sym)
         if isinstance(compiled, CaptureFailure):

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from ampgraph.capture.loss_only import loss_only
 from ampgraph.train.loss_scale import unscale_by_device
 
 __all__ = ["Counters", "StepOutput", "cast_fp32", "fp32_loss", "full_tensor", "local_grads",
@@ -164,4 +165,5 @@ def runtime_helpers() -> dict[str, Any]:
         "cast_fp32": cast_fp32, "to_host": to_host, "unscale_by_device": unscale_by_device,
         "clip_grad_norm_": torch.nn.utils.clip_grad_norm_, "nullcontext": nullcontext,
         "local_grads": local_grads, "full_tensor": full_tensor, "zero_grads": zero_grads,
+        "loss_only": loss_only,
     }

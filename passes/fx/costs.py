@@ -117,6 +117,10 @@ def node_flops(node: fx.Node) -> int:
     """
     if node.op != "call_function":
         return 0
+    head = node.meta.get("amp_head_product")  # a fused head and loss: its product's
+    if head is not None:
+        logits, x = head
+        return 2 * math.prod(shape_of(logits)) * shape_of(x)[-1]
     key = _base(node.meta.get("amp_orig_op") or op_key(node))  # routed ops: what they run
     out = _tensors(_val(node))
     if not out:
@@ -254,7 +258,7 @@ def graph_costs(graphs: Iterable[fx.GraphModule]) -> GraphCosts:
                     copies += _val(node.args[i]).numel() * fused.itemsize
             f = node_flops(node)
             flops += f
-            if node.meta.get("amp_precision") == "low":
+            if node.meta.get("amp_precision") == "low" or "amp_head_product" in node.meta:
                 low_flops += f
             elif node.meta.get("amp_precision") == "fp8":  # fp8_linear(x, weight, bias)
                 fp8_flops += f

@@ -39,6 +39,7 @@ from passes.fx.routing.attention import route_attention
 from passes.fx.routing.dropouts import route_dropouts
 from passes.fx.routing.embeddings import route_embeddings
 from passes.fx.routing.fp8_products import route_fp8_products
+from passes.fx.routing.head_loss import route_head_loss
 from passes.fx.routing.linears import route_linears
 from passes.fx.routing.output_casts import route_output_casts
 from passes.fx.routing.weight_casts import route_weight_casts
@@ -90,6 +91,7 @@ def run_amp_passes(
     sink_gather_casts: bool = True,
     runtime: RuntimeOps = ATEN_ONLY,
     fp8: FP8Recipe | None = None,
+    head_loss: str = "auto",
 ) -> FxAmpResult:
     """Rewrite ``gm`` in place for mixed precision and verify the result.
 
@@ -111,6 +113,11 @@ def run_amp_passes(
             by default every op stays aten's.
         fp8: the recipe of the products that run in FP8 (``routing.route_fp8_products``,
             with ``runtime.fp8_linear``); None: none do.
+        head_loss: "auto", "drop_logits" or "off": the last product and its cross-entropy
+            as the runtime's one chunked op (``routing.route_head_loss``, with
+            ``runtime.head_loss``), where nothing else reads the logits ("auto"), or
+            also where the graph returns them, returning None in their place
+            ("drop_logits").
 
     The passes (:func:`amp_passes`) run through ``passes._infra.PassManager``: any failure
     raises ``PassError`` naming the pass and, when known, the node it was processing. The
@@ -125,7 +132,7 @@ def run_amp_passes(
         PassManager(amp_passes(
             policy, low, state, keep_io_types=keep_io_types, fuse_norm_casts=fuse_norm_casts,
             channels_last_inputs=channels_last_inputs, sink_gather_casts=sink_gather_casts,
-            runtime=runtime, fp8=fp8)).run(gm)
+            runtime=runtime, fp8=fp8, head_loss=head_loss)).run(gm)
     return FxAmpResult(gm, state.decisions, state.casts)
 
 
@@ -149,6 +156,7 @@ def amp_passes(
     sink_gather_casts: bool = True,
     runtime: RuntimeOps = ATEN_ONLY,
     fp8: FP8Recipe | None = None,
+    head_loss: str = "auto",
 ) -> list[Callable[[fx.GraphModule], PassResult]]:
     """The passes :func:`run_amp_passes` runs, in order, each a named ``fn(gm) ->
     PassResult`` (the name a failure is reported under). The analyses write into
@@ -214,6 +222,9 @@ def amp_passes(
         named("count_casts", _count_casts, state),
     ]
     rt = runtime
+    if rt.head_loss is not None and policy.level != "O0" and low != torch.float32:
+        passes.append(named("route_head_loss", route_head_loss, rt.head_loss, low,
+                            rt.head_loss_chunk, head_loss))
     if fp8 is not None and policy.level != "O0" and low in (torch.float16, torch.bfloat16):
         if rt.fp8_linear is None:
             raise ValueError("fp8: this runtime has no FP8 product (RuntimeOps.fp8_linear)")

@@ -24,7 +24,10 @@ what it does differently:
   that take ``enable_gqa`` with a mask on a slow path only); exclusive with
   ``unrepeated_kv_heads``;
 - ``fp8_linear(x, w, b, transposed=, scaling=, weight_grad=)``: the FP8 product of the
-  products an FP8 recipe chooses (``routing.route_fp8_products``), from the fp32 master.
+  products an FP8 recipe chooses (``routing.route_fp8_products``), from the fp32 master;
+- ``head_loss(x, w, b, target, reduction=, ignore_index=, label_smoothing=, chunk=)`` and
+  ``head_loss_chunk(rows, vocab)``: the last product and its cross-entropy in chunks of
+  rows (``routing.route_head_loss``), and the chunk it picks.
 """
 
 from __future__ import annotations
@@ -55,6 +58,8 @@ class RuntimeOps:
     unrepeated_kv_heads: bool = False
     stacked_kv_heads: bool = False
     fp8_linear: Callable[..., Any] | None = None
+    head_loss: Callable[..., Any] | None = None
+    head_loss_chunk: Callable[[int, int], int] | None = None
 
     def __post_init__(self) -> None:
         if self.weight_cast is not None and self.weight_group is not None:
@@ -63,6 +68,8 @@ class RuntimeOps:
         if self.unrepeated_kv_heads and self.stacked_kv_heads:
             raise ValueError("RuntimeOps: unrepeated_kv_heads and stacked_kv_heads are "
                              "exclusive: attention takes the unrepeated heads one way")
+        if (self.head_loss is None) != (self.head_loss_chunk is None):
+            raise ValueError("RuntimeOps: head_loss and head_loss_chunk come together")
         if (self.linear or self.embedding) and self.weight_cast is None:
             raise ValueError("RuntimeOps: linear and embedding take the weight_cast's "
                              "parameters: give weight_cast too")

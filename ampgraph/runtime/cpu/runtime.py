@@ -8,6 +8,7 @@
 - attention unfused where that is faster (``attention.py``), dropout's faster draw
   (``dropout.py``), large outputs cast back into kept buffers (``outputs.py``);
 - attention on unrepeated grouped key/value heads;
+- the head's product and its cross-entropy in chunks (``runtime/head_loss.py``);
 - around a graph handed to ``torch.compile``, for calls without gradients: the weights'
   kept inference copies as its inputs, its outputs cast back into kept buffers, and a
   linear whose product is an output (the logits) made into one block by block.
@@ -25,6 +26,7 @@ from ampgraph.runtime.cpu.attention import amp_attention
 from ampgraph.runtime.cpu.dropout import amp_dropout
 from ampgraph.runtime.cpu.outputs import OutputBuffers
 from ampgraph.runtime.cpu.weights import WeightCache
+from ampgraph.runtime.head_loss import chunk_rows, linear_cross_entropy
 from passes.fx.runtime_ops import RuntimeOps
 
 
@@ -52,7 +54,8 @@ class CpuRuntime(Runtime):
             linear_activations=frozenset(ACTIVATIONS),
             embedding=self.weights.amp_embedding, attention=amp_attention,
             dropout=amp_dropout, output_cast=self.outputs.cast, unrepeated_kv_heads=True,
-            fp8_linear=self.fp8_linear(backend))
+            fp8_linear=self.fp8_linear(backend), head_loss=linear_cross_entropy,
+            head_loss_chunk=chunk_rows)
 
     def compiled_edges(self) -> CompiledEdges:
         return CompiledEdges(weight_copy=self.weights.cast, output_cast=self.outputs.cast,

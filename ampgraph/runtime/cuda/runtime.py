@@ -20,6 +20,7 @@ import torch
 from ampgraph.runtime.base import Runtime
 from ampgraph.runtime.cuda.master_weights import MasterCopies, WeightGroup
 from ampgraph.runtime.fused_updates import see_fused_updates
+from ampgraph.runtime.head_loss import chunk_rows, linear_cross_entropy
 from passes.fx.runtime_ops import RuntimeOps
 
 # A group's gradients are ready together, once backward has passed the group's first use:
@@ -50,7 +51,8 @@ class CudaRuntime(Runtime):
         if backend is not None:  # torch.compile fuses the graph's own casts
             return RuntimeOps(fp8_linear=self.fp8_linear(backend))
         return RuntimeOps(weight_group=self.weight_group, group_numel=GROUP_NUMEL,
-                          stacked_kv_heads=True, fp8_linear=self.fp8_linear(backend))
+                          stacked_kv_heads=True, fp8_linear=self.fp8_linear(backend),
+                          head_loss=linear_cross_entropy, head_loss_chunk=chunk_rows)
 
     def weight_group(self, specs: tuple) -> Callable[..., tuple]:
         """What a new group of parameter casts calls (``passes.fx.weight_groups``): its

@@ -1,0 +1,117 @@
+"""ampgraph/runtime/head_loss.py: the chunked head and cross-entropy equals the unfused
+product, fp32 cast and cross-entropy, loss and gradients, whatever the chunking."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ampgraph.runtime.head_loss import chunk_rows, linear_cross_entropy
+
+
+def unfused(x, w, b, target, reduction, ignore_index, smoothing):
+    low = x.dtype
+    logits = F.linear(x, w.to(low), None if b is None else b.to(low)).float()
+    return F.cross_entropy(logits, target, reduction=reduction, ignore_index=ignore_index,
+                           label_smoothing=smoothing)
+
+
+def both(low, reduction, smoothing, bias, chunk, scale=1.0, n=37, d=16, vocab=50, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x0 = torch.randn(n, d, generator=g).to(low)
+    w0 = torch.randn(vocab, d, generator=g) * 0.3
+    b0 = torch.randn(vocab, generator=g) if bias else None
+    target = torch.randint(0, vocab, (n,), generator=g)
+    target[::5] = -7  # ignored rows, a non-default ignore_index
+    out = []
+    for fused in (False, True):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        b = None if b0 is None else b0.clone().requires_grad_()
+        if fused:
+            loss = linear_cross_entropy(x, w, b, target, {"mean": 1, "sum": 2}[reduction], -7,
+                                        smoothing, chunk=chunk)
+        else:
+            loss = unfused(x, w, b, target, reduction, -7, smoothing)
+        (loss * scale).backward()
+        out.append((loss.detach(), x.grad.float(), w.grad, None if b is None else b.grad))
+    return out
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("low", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("bias", [False, True])
+def test_loss_and_gradients_equal_the_unfused_ops(low, reduction, smoothing, bias):
+    ref, fused = both(low, reduction, smoothing, bias, chunk=8)
+    assert torch.allclose(fused[0], ref[0], rtol=1e-6, atol=1e-6)
+    # x's gradient: the same 16-bit products of the same 16-bit logits' gradient (with
+    # smoothing, that gradient's fp32 terms are summed in another order: an ulp apart)
+    assert torch.equal(fused[1], ref[1]) if not smoothing else rel(fused[1], ref[1]) < 1e-3
+    # the weight's and bias's: fp32 sums of per-chunk 16-bit partials, one 16-bit sum unfused
+    tol = 1e-2 if low == torch.bfloat16 else 2e-3
+    assert rel(fused[2], ref[2]) < tol
+    if bias:
+        assert rel(fused[3], ref[3]) < tol
+
+
+def test_chunks_of_any_size_give_the_same_loss_and_input_gradient():
+    ref = both(torch.bfloat16, "mean", 0.0, False, chunk=37)[1]  # one chunk
+    for chunk in (1, 5, 8, 36, 100):
+        fused = both(torch.bfloat16, "mean", 0.0, False, chunk=chunk)[1]
+        assert torch.allclose(fused[0], ref[0], rtol=1e-6) and torch.equal(fused[1], ref[1])
+
+
+def test_fp16_gradients_take_the_loss_scale_before_their_cast():
+    # 1 / (rows x 2^24) underflows fp16 unless the scale reaches it first, as unfused
+    ref, fused = both(torch.float16, "mean", 0.0, False, chunk=8, scale=2.0**16, n=64,
+                      vocab=4000)
+    assert rel(fused[1], ref[1]) < 1e-3 and rel(fused[2], ref[2]) < 2e-3
+    assert torch.equal(fused[1] != 0, ref[1] != 0)  # nothing flushed to zero
+
+
+def test_every_row_ignored_gives_the_unfused_nan_mean_and_zero_gradients():
+    x = torch.randn(4, 8).bfloat16().requires_grad_()
+    w = torch.randn(10, 8, requires_grad=True)
+    target = torch.full((4,), -100)
+    loss = linear_cross_entropy(x, w, None, target)
+    ref = unfused(x.detach(), w.detach(), None, target, "mean", -100, 0.0)
+    assert torch.isnan(loss) and torch.isnan(ref)
+    loss.backward()
+    assert not x.grad.any() and not w.grad.any()
+
+
+def test_without_gradients_no_gradient_is_formed():
+    x, w = torch.randn(6, 8).bfloat16(), torch.randn(10, 8)
+    target = torch.tensor([1, 2, 3, 4, 5, 6])
+    with torch.no_grad():
+        loss = linear_cross_entropy(x.requires_grad_(), w.requires_grad_(), None, target)
+    assert not loss.requires_grad
+    assert torch.allclose(loss, unfused(x.detach(), w.detach(), None, target, "mean", -100, 0.0))
+
+
+def test_a_second_backward_raises_rather_than_reusing_freed_gradients():
+    x = torch.randn(4, 8).bfloat16().requires_grad_()
+    w = torch.randn(10, 8, requires_grad=True)
+    loss = linear_cross_entropy(x, w, None, torch.tensor([1, 2, 3, 4]))
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="twice"):
+        loss.backward()
+
+
+def test_bad_arguments_are_refused():
+    x, w, t = torch.randn(4, 8), torch.randn(10, 8), torch.tensor([1, 2, 3, 4])
+    with pytest.raises(ValueError, match="reduction"):
+        linear_cross_entropy(x, w, None, t, reduction=0)
+    with pytest.raises(ValueError, match=r"x \[N, d\]"):
+        linear_cross_entropy(x[None], w, None, t)
+
+
+def test_chunk_rows_keeps_a_chunk_of_logits_near_its_budget():
+    assert chunk_rows(1024, 128256) == 64 and chunk_rows(1024, 32000) == 256
+    assert chunk_rows(3, 300) == 3 and chunk_rows(10**6, 10**9) == 8
+    assert chunk_rows(1024, 128256, budget=1 << 20) == 8
