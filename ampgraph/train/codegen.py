@@ -15,8 +15,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ALWAYS", "FOUND_INF", "HOST", "PHASES", "StepSpec", "generate", "graph_obstacles",
-           "make_step_function", "phases"]
+import torch
+
+__all__ = ["ALWAYS", "FOUND_INF", "HOST", "PHASES", "StepSpec", "gate", "generate",
+           "graph_obstacles", "make_step_function", "phases"]
 
 # How the optimizer step is gated on overflow.
 HOST = "host"  # one host sync fetches (found_inf, scale); skip optimizer.step() on overflow
@@ -52,6 +54,8 @@ class StepSpec:
             ``update(optimizer)``).
         sharded: gradients are DTensors (FSDP2 ``fully_shard``): unscale each rank's local
             shard, and the all-reduced flag makes the ranks agree.
+        release: each parameter is stepped in backward and its gradient freed there
+            (``released``, ``release_grads.py``): nothing after backward but the result.
 
     Raises:
         ValueError: a combination no configuration gives (``dynamic``, ``custom_unscale``
@@ -81,6 +85,7 @@ class StepSpec:
     observe: bool = False
     update: bool = False
     sharded: bool = False
+    release: bool = False
 
     def __post_init__(self) -> None:
         if self.decision not in (HOST, FOUND_INF, ALWAYS):
@@ -96,6 +101,10 @@ class StepSpec:
         if self.no_sync and self.accumulation_steps == 1:
             raise ValueError("no_sync skips the all-reduce of non-final micro-batches: it "
                              "needs accumulation_steps > 1")
+        if self.release and (self.scaled or self.clip_norm is not None or self.monitor
+                             or self.distributed or self.sharded or self.accumulation_steps > 1):
+            raise ValueError("release steps each parameter in backward: no loss scaling, "
+                             "clipping, monitor, collective or accumulation after it")
         if self.update and self.decision == FOUND_INF:
             raise ValueError("decision=FOUND_INF hands found_inf to a fused optimizer.step(); "
                              "an own update rule (update=True) decides on the host (HOST)")
@@ -129,7 +138,8 @@ def generate(spec: StepSpec, phase: str | None = None) -> str:
     Names the source uses, all provided by the namespace: torch, dist, net, module,
     loss_fn, optimizer, manager, params, found_inf, one, counters, group, monitor,
     StepOutput, update, fp32_loss, model_loss, cast_fp32, to_host, unscale_by_device,
-    clip_grad_norm_, nullcontext, local_grads, full_tensor, zero_grads.
+    clip_grad_norm_, nullcontext, local_grads, full_tensor, zero_grads, loss_only,
+    released.
 
     Raises:
         ValueError: a phase the spec cannot run as a graph (a host decision, a
@@ -179,12 +189,20 @@ def generate(spec: StepSpec, phase: str | None = None) -> str:
         out = "cast_fp32(net(*args[:-1], **kwargs))" if spec.cast_outputs else (
             "net(*args[:-1], **kwargs)")
         add(f"{body}loss = fp32_loss(loss_fn({out}, args[-1]))")
-    else:
-        add(f"{body}loss = fp32_loss(model_loss(net(*args, **kwargs)))")
+    else:  # only the loss is read: the graph may drop the logits (head_loss)
+        add(f"{body}with loss_only():")
+        add(f"{body}    loss = fp32_loss(model_loss(net(*args, **kwargs)))")
     add(f"{body}found_inf.logical_or_(loss.detach().isfinite().logical_not_())")
     factor = " * scale" if spec.scaled else ""
     divisor = f" / {n}" if n > 1 else ""
     target = f"(loss{divisor}{factor})" if factor or divisor else "loss"
+    if spec.release:
+        add(f"{body}with released.stepping():  # each parameter stepped, its gradient freed")
+        add(f"{body}    {target}.backward()")
+        add("    counters.step_index += 1")
+        add("    info = torch.stack((found_inf, scale))  # this step's (overflow, scale)")
+        add("    return StepOutput(loss.detach(), info, True, None, None)")
+        return "\n".join(lines) + "\n"
     add(f"{body}{target}.backward()")
     if phase in (FIRST, MIDDLE):
         add("    return loss.detach(), torch.stack((found_inf, scale)), None")
@@ -276,6 +294,29 @@ def _finish(spec: StepSpec, add: Callable[[str], None], graphed: bool) -> None:
     add(f"    return StepOutput(loss.detach(), info, True, {grad_norm}, {host})")
 
 
+def gate(optimizer: Any, manager: Any, own_update: bool = False) -> str:
+    """How the optimizer step of a step with this optimizer and loss-scale manager is
+    gated on overflow: ALWAYS, HOST or FOUND_INF (see the constants).
+
+    Example:
+        >>> gate(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1), None)
+        'host'
+    """
+    if manager is not None and not manager.get_drop_overflow_update():
+        return ALWAYS
+    if own_update:  # the 16-bit update rule is not a fused optimizer: decide on the host
+        return HOST
+    if not getattr(optimizer, "_step_supports_amp_scaling", False):
+        return HOST
+    # torch's fused SGD with momentum leaves torch.empty momentum buffers when its very first
+    # step is skipped through found_inf, and later steps read them: decide on the host.
+    if isinstance(optimizer, torch.optim.SGD) and any(
+        g.get("momentum", 0) for g in optimizer.param_groups
+    ):
+        return HOST
+    return FOUND_INF
+
+
 def graph_obstacles(spec: StepSpec) -> list[str]:
     """Why a step of ``spec`` cannot be captured as a CUDA graph (empty: it can), each
     reason naming what to change.
@@ -295,7 +336,8 @@ def graph_obstacles(spec: StepSpec) -> list[str]:
                        ("monitor", "a monitor called from the step"),
                        ("multi_device", "parameters on several devices"),
                        ("custom_unscale", "a manager that unscales per layer"),
-                       ("update", "16-bit weights updated by ampgraph's own rule")):
+                       ("update", "16-bit weights updated by ampgraph's own rule"),
+                       ("release", "parameters stepped in backward (release_grads)")):
         if getattr(spec, flag):
             reasons.append(f"{what} is not captured: build the step without it")
     return reasons

@@ -19,12 +19,12 @@ from torch.nn.parallel import DistributedDataParallel
 from ampgraph.config import dtype_name, model_device
 from ampgraph.runtime.cuda.graphs import CudaGraphEngine
 from ampgraph.train.codegen import (
-    ALWAYS,
     FOUND_INF,
     HOST,
     LAST,
     WHOLE,
     StepSpec,
+    gate,
     generate,
     make_step_function,
     phases,
@@ -47,6 +47,7 @@ from ampgraph.train.network import (
     resolve_network,
     train_params,
 )
+from ampgraph.train.release_grads import ReleasedGradients, check_release
 from ampgraph.train.replay_check import ReplayCheck
 from ampgraph.train.step_runtime import Counters, StepOutput, runtime_helpers
 
@@ -99,6 +100,9 @@ class TrainStep:
         device = params[0].device
         self._params = params
         self._found_inf = torch.zeros((), dtype=torch.float32, device=device)
+        # release_grads: the parameters are stepped from their gradients' hooks
+        self.released = ReleasedGradients(optimizer, params, self._found_inf, update) \
+            if spec.release else None
         self._code = generate(spec)
         namespace = {
             **runtime_helpers(), "net": network, "module": module, "loss_fn": loss_fn,
@@ -106,7 +110,7 @@ class TrainStep:
             "found_inf": self._found_inf,
             "one": torch.ones((), dtype=torch.float32, device=device),
             "counters": self._counters, "group": group, "monitor": monitor,
-            "StepOutput": StepOutput, "update": update,
+            "StepOutput": StepOutput, "update": update, "released": self.released,
         }
         self._fn = make_step_function(self._code, namespace)
         self.graphs: StepGraphs | None = None  # the CUDA graphs of the step, if captured
@@ -258,6 +262,7 @@ def build_train_step(
     monitor: Any = None,
     master_weights: str = "fp32",
     cuda_graph: bool | GraphCapture = False,
+    release_grads: bool = False,
     **compile_kwargs: Any,
 ) -> TrainStep:
     """Compile ``model`` and generate a mixed-precision training step for it.
@@ -298,6 +303,13 @@ def build_train_step(
             capturable=True)`` (or Adam, or SGD without momentum, fused). Where capture is
             impossible (no CUDA device, a collective, a monitor, a model that
             synchronises) the step runs eagerly with a warning. docs/training.md#cuda-graphs.
+        release_grads: step each parameter in backward as soon as its gradient is complete
+            and free that gradient (``ampgraph.train.release_grads``): the gradients of
+            the whole model are never alive together, and none is left after the step.
+            SGD, Adam or AdamW (plain, foreach or fused), every ``master_weights`` tier;
+            not with clipping, accumulation, a loss-scale manager (fp16), a monitor, a
+            distributed network or ``cuda_graph`` (each refused, naming why).
+            docs/training.md#memory.
         **compile_kwargs: forwarded to ``ampgraph.compile`` (keep_batchnorm_fp32, ...).
 
     Returns:
@@ -334,15 +346,19 @@ def build_train_step(
     amp = amp_of(module)
     manager = resolve_manager(loss_scale_manager, amp.amp_dtype)
     sharded = is_sharded(params)
+    distributed, group = distributed_group(network)
+    has_monitor = monitor is not None and callable(getattr(monitor, "after_backward", None))
+    if release_grads:  # refused before anything is changed (weights, the manager's hooks)
+        check_release(optimizer, clip=clip_grad_norm, accumulation_steps=accumulation_steps,
+                      scaled=manager is not None, monitor=has_monitor, distributed=distributed,
+                      sharded=sharded, cuda_graph=bool(cuda_graph))
     if manager is not None:
         manager.to(device)
         manager.instrument(module)
     update = weight_update(master_weights, module, optimizer)
-    distributed, group = distributed_group(network)
-    decision = _decision(optimizer, manager, update is not None)
+    decision = gate(optimizer, manager, update is not None)
     if sharded and decision == FOUND_INF:  # DTensor gradients: decide on the host
         decision = HOST
-    has_monitor = monitor is not None and callable(getattr(monitor, "after_backward", None))
     spec = StepSpec(
         title=_title(amp, manager, clip_grad_norm, accumulation_steps, distributed),
         has_loss_fn=loss_fn is not None,
@@ -360,29 +376,13 @@ def build_train_step(
         observe=manager is not None and manager.wants_gradients,
         update=update is not None,
         sharded=sharded,
+        release=bool(release_grads),
     )
     return TrainStep(
         network=network, module=module, loss_fn=loss_fn, optimizer=optimizer, manager=manager,
         spec=spec, clip_grad_norm=clip_grad_norm, monitor=monitor, group=group, params=params,
         update=update, graph_capture=resolve_capture(cuda_graph, spec, optimizer, device),
     )
-
-
-def _decision(optimizer: torch.optim.Optimizer, manager: LossScaleManager | None,
-              own_update: bool = False) -> str:
-    if manager is not None and not manager.get_drop_overflow_update():
-        return ALWAYS
-    if own_update:  # the 16-bit update rule is not a fused optimizer: decide on the host
-        return HOST
-    if not getattr(optimizer, "_step_supports_amp_scaling", False):
-        return HOST
-    # torch's fused SGD with momentum leaves torch.empty momentum buffers when its very first
-    # step is skipped through found_inf, and later steps read them: decide on the host.
-    if isinstance(optimizer, torch.optim.SGD) and any(
-        g.get("momentum", 0) for g in optimizer.param_groups
-    ):
-        return HOST
-    return FOUND_INF
 
 
 def _title(amp: nn.Module, manager: LossScaleManager | None, clip: float | None,

@@ -1,0 +1,150 @@
+"""``build_train_step(..., release_grads=True)``: each parameter is stepped in backward as
+soon as its gradient is complete, and the gradient is freed there.
+
+The gradients of a whole model are never alive together (torchtune's
+``optimizer_in_bwd``, LOMO): a gradient lives from its accumulation to its parameter's
+update. :class:`ReleasedGradients` registers a post-accumulate-grad hook on every
+parameter the optimizer holds; while the step's backward runs (:meth:`stepping`), the hook
+
+1. checks the gradient for inf/NaN into the step's ``found_inf`` (the loss's check is
+   already in it), with the fused non-finite check the unscale uses;
+2. steps that parameter alone with the user's optimizer (its ``param_groups`` narrowed to
+   it for the call, so its hyper-parameters, learning-rate schedules, state and
+   ``state_dict`` stay the optimizer's own), or with the 16-bit weights' update rule:
+   unless ``found_inf`` is set. A fused optimizer takes ``found_inf`` and skips on the
+   device; otherwise the flag is read on the host, once per parameter;
+3. sets ``p.grad = None``.
+
+What cannot be honoured is refused when the step is built (:func:`check_release`): a
+global gradient-norm clip (it needs every gradient first), accumulation over
+micro-batches (the gradients would have to live on), a loss-scale manager (fp16's skip on
+overflow decides for the whole step after backward; bf16 needs none), a monitor (it reads
+the gradients after backward), a distributed network (DDP reduces buckets after the
+hooks; FSDP2 shards), CUDA graphs, and optimizers other than SGD, Adam and AdamW (plain,
+foreach or fused). Once a gradient is non-finite, the parameters not stepped yet are not
+stepped (the ones before it were): the step reports the overflow.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["ReleasedGradients", "check_release"]
+
+_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+
+
+def check_release(optimizer: torch.optim.Optimizer, *, clip: float | None,
+                  accumulation_steps: int, scaled: bool, monitor: bool, distributed: bool,
+                  sharded: bool, cuda_graph: bool) -> None:
+    """Raise ValueError, naming the fix, for a step that cannot release its gradients.
+
+    Example:
+        >>> opt = torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=0.1)
+        >>> check_release(opt, clip=None, accumulation_steps=1, scaled=False, monitor=False,
+        ...               distributed=False, sharded=False, cuda_graph=False)
+    """
+    refused = [
+        (clip is not None, "clip_grad_norm (a global norm needs every gradient at once)"),
+        (accumulation_steps > 1, "accumulation_steps > 1 (accumulated gradients must live "
+                                 "until the last micro-batch)"),
+        (scaled, "a loss-scale manager (fp16 skips an overflowing step after backward, when "
+                 "the parameters are stepped already: use dtype='bf16' or "
+                 "loss_scale_manager=None)"),
+        (monitor, "a monitor (it reads the gradients after backward)"),
+        (distributed or sharded, "a distributed network (DDP reduces gradients after the "
+                                 "hooks that step them; FSDP2 shards them)"),
+        (cuda_graph, "cuda_graph (the per-parameter steps are not captured)"),
+        (not isinstance(optimizer, _OPTIMIZERS),
+         f"{type(optimizer).__name__} (SGD, Adam and AdamW step one parameter at a time)"),
+    ]
+    for bad, what in refused:
+        if bad:
+            raise ValueError(f"release_grads=True cannot be combined with {what}; build the "
+                             "step with release_grads=False for it")
+
+
+class ReleasedGradients:
+    """Steps each parameter from its post-accumulate-grad hook during :meth:`stepping`,
+    then frees its gradient (see the module docstring).
+
+    Args:
+        optimizer: the user's optimizer (SGD, Adam, AdamW).
+        params: the parameters it trains.
+        found_inf: the step's 0-dim fp32 flag (1: a non-finite loss or gradient).
+        update: the 16-bit weights' update rule (``update(optimizer)``), or None for
+            ``optimizer.step()``.
+
+    Example:
+        >>> released = ReleasedGradients(opt, params, found_inf)  # doctest: +SKIP
+        >>> with released.stepping():  # doctest: +SKIP
+        ...     loss.backward()
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter],
+                 found_inf: torch.Tensor,
+                 update: Callable[[torch.optim.Optimizer], Any] | None = None) -> None:
+        self.optimizer, self.found_inf, self.update = optimizer, found_inf, update
+        self.one = torch.ones((), dtype=torch.float32, device=found_inf.device)
+        self.group_of = {p: i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
+        self.fused = update is None and getattr(optimizer, "_step_supports_amp_scaling", False)
+        self.active = False
+        self.stepped = 0  # parameters stepped in the last backward
+        self.handles = [p.register_post_accumulate_grad_hook(self._step) for p in params]
+
+    @contextlib.contextmanager
+    def stepping(self) -> Iterator[None]:
+        """The body's backward steps each parameter and frees its gradient."""
+        self.active, self.stepped = True, 0
+        try:
+            yield
+        finally:
+            self.active = False
+
+    def _step(self, p: torch.Tensor) -> None:
+        if not self.active or p.grad is None:  # a backward of the user's own: left alone
+            return
+        torch._amp_foreach_non_finite_check_and_unscale_([p.grad], self.found_inf, self.one)
+        if self.fused or not self.found_inf.item():
+            with self._narrowed(p):
+                self._call()
+            self.stepped += 1
+        p.grad = None
+
+    def _call(self) -> None:
+        opt = self.optimizer
+        if self.update is not None:
+            self.update(opt)
+        elif self.fused:  # skips on the device when found_inf is 1
+            opt.found_inf = self.found_inf
+            try:
+                opt.step()
+            finally:
+                del opt.found_inf
+        else:
+            opt.step()
+
+    @contextlib.contextmanager
+    def _narrowed(self, p: torch.Tensor) -> Iterator[None]:
+        """The optimizer's groups, for one call, with ``p`` alone in its own."""
+        groups = self.optimizer.param_groups
+        mine = self.group_of[p]
+        saved = [g["params"] for g in groups]
+        for i, g in enumerate(groups):
+            g["params"] = [p] if i == mine else []
+        try:
+            yield
+        finally:
+            for g, params in zip(groups, saved):
+                g["params"] = params
+
+    def remove(self) -> None:
+        """Take the hooks off the parameters."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []

@@ -1,0 +1,129 @@
+"""ampgraph/train/release_grads.py: build_train_step(release_grads=True) steps each
+parameter in backward and frees its gradient: the same training as the step that keeps
+them, never the whole model's gradients alive at once, and what it cannot honour refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import ampgraph
+from ampgraph.train.loss_scale import FixedLossScaleManager
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+OPTIMIZERS = {
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+    "adamw-foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=True),
+    "adamw-fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
+    "adam-groups": lambda ps: torch.optim.Adam(
+        [{"params": ps[:2], "lr": 1e-2}, {"params": ps[2:], "lr": 3e-3}]),
+    "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True),
+}
+
+
+def net(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 32),
+                         nn.GELU(), nn.Linear(32, 10))
+
+
+def batches(n: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(7)
+    return [(torch.randn(8, 16, generator=g), torch.randint(0, 10, (8,), generator=g))
+            for _ in range(n)]
+
+
+def train(model: nn.Module, make_opt, release: bool, **kwargs) -> list[float]:
+    opt = make_opt(list(model.parameters()))
+    step = ampgraph.build_train_step(model, F.cross_entropy, opt, "O2", "bf16",
+                                     release_grads=release, **kwargs)
+    losses = []
+    for x, y in batches():
+        losses.append(float(step(x, y).loss))
+        if release:
+            assert all(p.grad is None for p in model.parameters())
+    return losses
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_released_gradients_train_exactly_as_kept_ones(name):
+    kept, released = net(), net()
+    assert train(kept, OPTIMIZERS[name], False) == train(released, OPTIMIZERS[name], True)
+    for p, q in zip(kept.parameters(), released.parameters()):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("master", ["kahan", "stochastic"])
+def test_sixteen_bit_weights_tiers_release_their_gradients_too(master):
+    kept, released = net(), net()
+    make = OPTIMIZERS["adamw"]
+    a = train(kept, make, False, master_weights=master)
+    b = train(released, make, True, master_weights=master)
+    # Kahan is deterministic; stochastic rounding draws its noise in another order
+    assert a == b if master == "kahan" else a == pytest.approx(b, rel=2e-2)
+    assert all(p.dtype == torch.bfloat16 for p in released[0].parameters())
+
+
+def test_no_two_gradients_are_alive_at_once_in_backward():
+    model = net()
+    alive = []
+    for p in model.parameters():  # registered first: runs before the step's own hook
+        p.register_post_accumulate_grad_hook(
+            lambda p: alive.append(sum(q.grad is not None for q in model.parameters())))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = ampgraph.build_train_step(model, F.cross_entropy, opt, "O2", "bf16",
+                                     release_grads=True)
+    step(*batches(1)[0])
+    assert len(alive) == len(list(model.parameters())) and set(alive) == {1}
+    assert step.released.stepped == len(alive)
+
+
+def test_a_non_finite_loss_steps_nothing_and_says_so():
+    model = net()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = ampgraph.build_train_step(model, F.cross_entropy, opt, "O2", "bf16",
+                                     release_grads=True)
+    x, y = batches(1)[0]
+    out = step(x.clone().fill_(float("nan")), y)
+    assert out.overflow and step.released.stepped == 0
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    assert all(p.grad is None for p in model.parameters())
+    assert not step(x, y).overflow  # the flag is cleared for the next step
+
+
+def test_a_backward_of_the_users_own_is_left_alone():
+    model = net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ampgraph.build_train_step(model, F.cross_entropy, opt, "O2", "bf16", release_grads=True)
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = batches(1)[0]
+    F.cross_entropy(model(x), y).backward()
+    assert all(p.grad is not None for p in model.parameters())
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"clip_grad_norm": 1.0}, "clip_grad_norm"),
+    ({"accumulation_steps": 2}, "accumulation_steps"),
+    ({"loss_scale_manager": FixedLossScaleManager(128.0)}, "loss-scale manager"),
+    ({"monitor": type("M", (), {"after_backward": lambda *a: None})()}, "monitor"),
+    ({"cuda_graph": True}, "cuda_graph"),
+])
+def test_what_cannot_be_honoured_is_refused_before_anything_changes(kwargs, match):
+    model = net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with pytest.raises(ValueError, match=match):
+        ampgraph.build_train_step(model, F.cross_entropy, opt, "O2", "bf16", release_grads=True,
+                                  master_weights="stochastic", **kwargs)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_other_optimizers_are_refused():
+    model = net()
+    opt = torch.optim.RMSprop(model.parameters(), lr=1e-2)
+    with pytest.raises(ValueError, match="RMSprop"):
+        ampgraph.build_train_step(model, F.cross_entropy, opt, "O2", "bf16", release_grads=True)
