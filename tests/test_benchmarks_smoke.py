@@ -236,3 +236,24 @@ def test_fp8_numerics_smoke(tmp_path):
     assert all(0 < v["rel_err"] < 0.2 for v in err["per_layer"].values())
     assert 0 < err["logits_rel_err"] < 0.2
     assert [c["check"] for c in data["checks"]][-1] == "fp8 final val loss within 1% of bf16's"
+
+
+@pytest.mark.slow
+def test_memory_benchmark_counts_each_mode_in_a_fresh_process(tmp_path):
+    pytest.importorskip("transformers")
+    out, png = tmp_path / "memory.json", tmp_path / "memory.png"
+    proc = run("benchmarks/memory.py", "--smoke", "--modes", "autocast,floor,step,step-lean",
+               "--json", str(out), "--plot", str(png))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {r["mode"]: r for r in json.loads(out.read_text())}
+    assert list(rows) == ["autocast", "floor", "step", "step-lean"] and png.stat().st_size
+    n = rows["autocast"]["params"]
+    for r in rows.values():
+        parts = r["fixed_parts"]
+        assert r["total"] == r["fixed"] + r["transient"] and r["transient"] > 0
+        assert r["fixed"] == sum(parts.values()) and parts["other_kept"] >= 0
+        assert parts["parameters"] == n * (2 if r["mode"] == "floor" else 4)
+    assert rows["autocast"]["fixed_parts"]["gradients_kept"] == 0
+    assert rows["step"]["fixed_parts"]["gradients_kept"] == 4 * n  # kept to be inspected
+    assert rows["step-lean"]["fixed_parts"]["gradients_kept"] == 0  # released in backward
+    assert rows["step"]["losses"] == pytest.approx(rows["autocast"]["losses"], rel=0.02)
