@@ -9,7 +9,7 @@ its logits to :func:`linear_cross_entropy`. It runs them over chunks of rows (to
 - the gradient of the chunk's logits, ``softmax - target`` (with label smoothing,
   ``ignore_index`` and the mean's divisor), is cast to the low dtype as the unfused
   graph's cast back would, and the input's and the weight's gradients are formed from it
-  chunk by chunk: the weight's accumulates in fp32.
+  chunk by chunk: the weight's accumulates in fp32, block of vocabulary rows by block.
 
 So neither the logits nor their gradient exists whole, in any dtype: a chunk is about
 ``CHUNK_BYTES`` of fp32 logits. With bf16 (or fp32) inputs the gradients are formed in
@@ -30,12 +30,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["CHUNK_BYTES", "chunk_rows", "linear_cross_entropy"]
+__all__ = ["CHUNK_BYTES", "GRAD_BLOCK_BYTES", "chunk_rows", "linear_cross_entropy"]
 
 # fp32 logits per chunk. Each chunk's product reads the whole weight, so a chunk much
 # smaller than this rereads it often (a 128256 x 512 bf16 head is 125 MiB); one much
 # larger keeps that many bytes live (the softmax works in place on them).
 CHUNK_BYTES = 32 << 20
+
+# The weight's gradient accumulates in fp32 by blocks of vocabulary rows of this many
+# bytes: a chunk's 16-bit partial product is added into it block by block, never whole.
+GRAD_BLOCK_BYTES = 8 << 20
 
 _REDUCTIONS = {1: "mean", 2: "sum"}  # aten's enum (0: "none", not fused)
 
@@ -146,6 +150,7 @@ def _run(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, target: torch
         gw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_w else None
         gb = torch.zeros(vocab, dtype=torch.float32, device=w.device) if need_b else None
         total = torch.zeros((), dtype=torch.float32, device=x.device)
+        block = max(1, GRAD_BLOCK_BYTES // (4 * w.shape[1]))
         for start in range(0, x.shape[0], rows):
             end = min(start + rows, x.shape[0])
             xc, tc, vc = x[start:end], safe[start:end], valid[start:end]
@@ -166,8 +171,9 @@ def _run(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, target: torch
             grad = grad.to(low)  # the unfused graph's cast back to the product's dtype
             if need_x:
                 torch.mm(grad, wl, out=gx[start:end])
-            if need_w:
-                gw += torch.mm(grad.t(), xc)
+            if need_w:  # by blocks of the vocabulary: no whole fp32 partial besides gw
+                for v0 in range(0, vocab, block):
+                    gw[v0:v0 + block] += torch.mm(grad[:, v0:v0 + block].t(), xc)
             if need_b:
                 gb += grad.sum(0)
         loss = total / divisor if divisor is not None else total

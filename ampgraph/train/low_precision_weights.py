@@ -150,11 +150,24 @@ class LowPrecisionUpdate:
                 if p.grad is None:
                     continue
                 state = optimizer.state[p]
-                delta = _delta(optimizer, group, p, state)
-                if p.dtype == torch.float32:
-                    p.add_(delta)
-                else:
-                    self._apply(p, delta, state)
+                if not _chunked(optimizer, p):
+                    self._update(p, _delta(optimizer, group, p, p.grad, state), state)
+                    continue
+                # a large parameter by flat chunks: fp32 temporaries of UPDATE_CHUNK elements
+                _adam_state(state, p, self.mode == "kahan")
+                flat, grad, n = p.view(-1), p.grad.reshape(-1), p.numel()
+                for s in range(0, n, UPDATE_CHUNK):
+                    views = {k: v.view(-1)[s:s + UPDATE_CHUNK] if isinstance(v, torch.Tensor)
+                             and v.numel() == n else v for k, v in state.items()}
+                    part = flat[s:s + UPDATE_CHUNK]
+                    self._update(part, _adam_delta(group, optimizer, part,
+                                                   grad[s:s + UPDATE_CHUNK], views), views)
+
+    def _update(self, p: torch.Tensor, delta: torch.Tensor, state: dict) -> None:
+        if p.dtype == torch.float32:
+            p.add_(delta)
+        else:
+            self._apply(p, delta, state)
 
     def _apply(self, p: torch.Tensor, delta: torch.Tensor, state: dict) -> None:
         old = p.float()
@@ -197,10 +210,35 @@ def _state(state: dict, key: str, like: torch.Tensor) -> torch.Tensor:
     return state[key]
 
 
-def _delta(optimizer: torch.optim.Optimizer, group: dict, p: torch.Tensor, state: dict
-           ) -> torch.Tensor:
+# Adam's and AdamW's update of a contiguous parameter larger than this many elements runs
+# over flat chunks this size (``_chunked``): its fp32 temporaries (the gradient, the moments,
+# the update, the rounding's) are a chunk's, not a 128256 x 512 head's 250 MiB each.
+UPDATE_CHUNK = 1 << 20
+
+
+def _chunked(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> bool:
+    return (p.numel() > UPDATE_CHUNK and p.is_contiguous()
+            and isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)))
+
+
+def _adam_state(state: dict, p: torch.Tensor, kahan: bool) -> None:
+    """Adam's state for ``p`` made whole before its chunks take views of it, and its step
+    counted once."""
+    for key in ("exp_avg", "exp_avg_sq", *(["kahan_comp"] if kahan and p.dtype != torch.float32
+                                          else [])):
+        _state(state, key, p)
+    state["step"] = state.get("step", torch.zeros((), dtype=torch.float32)) + 1
+
+
+def _delta(optimizer: torch.optim.Optimizer, group: dict, p: torch.Tensor, grad: torch.Tensor,
+           state: dict) -> torch.Tensor:
     """The fp32 update ``p_new - p`` of ``optimizer``'s rule; state kept in p's dtype."""
-    g = p.grad.float()
+    if isinstance(optimizer, (torch.optim.AdamW, torch.optim.Adam)):
+        if "step" not in state:
+            state["step"] = torch.zeros((), dtype=torch.float32)
+        state["step"] += 1
+        return _adam_delta(group, optimizer, p, grad, state)
+    g = grad.float()
     lr, wd = group["lr"], group.get("weight_decay", 0.0)
     if group.get("maximize", False):
         g = -g
@@ -225,28 +263,34 @@ def _delta(optimizer: torch.optim.Optimizer, group: dict, p: torch.Tensor, state
             buf.copy_(total)
             g = g + mu * total if group["nesterov"] else total
         return -lr * g
-    if isinstance(optimizer, (torch.optim.AdamW, torch.optim.Adam)):
-        decoupled = isinstance(optimizer, torch.optim.AdamW) or group.get("decoupled_weight_decay")
-        beta1, beta2 = group["betas"]
-        if "step" not in state:
-            state["step"] = torch.zeros((), dtype=torch.float32)
-        state["step"] += 1
-        t = float(state["step"])
-        if wd and not decoupled:
-            g = g + wd * p.float()
-        m, v = _state(state, "exp_avg", p), _state(state, "exp_avg_sq", p)
-        m32 = m.float().mul_(beta1).add_(g, alpha=1 - beta1)
-        v32 = v.float().mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        m.copy_(m32)
-        v.copy_(v32)
-        denom = (v32 / (1 - beta2**t)).sqrt_().add_(group["eps"])
-        delta = -(lr / (1 - beta1**t)) * m32 / denom
-        if wd and decoupled:
-            delta = delta - lr * wd * p.float()
-        return delta
     raise ValueError(
         f"master_weights other than 'fp32' support torch.optim.SGD, Adam, AdamW and "
         f"ModifiedMomentumSGD; got {type(optimizer).__name__}: use master_weights='fp32'")
+
+
+def _adam_delta(group: dict, optimizer: torch.optim.Optimizer, p: torch.Tensor,
+                grad: torch.Tensor, state: dict) -> torch.Tensor:
+    """Adam's or AdamW's fp32 update of ``p`` (or of a chunk of it, with views of its
+    state) at the step ``state["step"]`` already counts."""
+    g = grad.float()
+    lr, wd = group["lr"], group.get("weight_decay", 0.0)
+    if group.get("maximize", False):
+        g = -g
+    decoupled = isinstance(optimizer, torch.optim.AdamW) or group.get("decoupled_weight_decay")
+    beta1, beta2 = group["betas"]
+    t = float(state["step"])
+    if wd and not decoupled:
+        g = g + wd * p.float()
+    m, v = _state(state, "exp_avg", p), _state(state, "exp_avg_sq", p)
+    m32 = m.float().mul_(beta1).add_(g, alpha=1 - beta1)
+    v32 = v.float().mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    m.copy_(m32)
+    v.copy_(v32)
+    denom = (v32 / (1 - beta2**t)).sqrt_().add_(group["eps"])
+    delta = -(lr / (1 - beta1**t)) * m32 / denom
+    if wd and decoupled:
+        delta = delta - lr * wd * p.float()
+    return delta
 
 
 def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer,

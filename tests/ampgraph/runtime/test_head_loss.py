@@ -115,3 +115,12 @@ def test_chunk_rows_keeps_a_chunk_of_logits_near_its_budget():
     assert chunk_rows(1024, 128256) == 64 and chunk_rows(1024, 32000) == 256
     assert chunk_rows(3, 300) == 3 and chunk_rows(10**6, 10**9) == 8
     assert chunk_rows(1024, 128256, budget=1 << 20) == 8
+
+
+def test_the_weight_gradient_summed_by_blocks_of_the_vocabulary_is_the_same(monkeypatch):
+    import ampgraph.runtime.head_loss as head_loss
+
+    whole = both(torch.bfloat16, "mean", 0.0, True, chunk=8)[1]
+    monkeypatch.setattr(head_loss, "GRAD_BLOCK_BYTES", 4 * 16 * 7)  # 7 vocabulary rows
+    blocks = both(torch.bfloat16, "mean", 0.0, True, chunk=8)[1]
+    assert all(torch.equal(a, b) for a, b in zip(whole, blocks))

@@ -154,3 +154,24 @@ def test_invalid_configurations_are_refused():
     assert convert_weights(nn.LayerNorm(3), torch.bfloat16) == []
     x = torch.full((4096,), 1.0 + 2.0**-9)  # a quarter ulp above 1.0
     assert 0.2 < (stochastic_round_bf16(x) > 1).float().mean().item() < 0.3
+
+
+@pytest.mark.parametrize("decay", [0.0, 0.1])
+def test_a_large_parameter_is_updated_by_chunks_with_the_same_values(monkeypatch, decay):
+    import ampgraph.train.low_precision_weights as lpw
+
+    def run(chunk: int) -> tuple[torch.Tensor, dict]:
+        monkeypatch.setattr(lpw, "UPDATE_CHUNK", chunk)
+        g = torch.Generator().manual_seed(0)
+        p = nn.Parameter(torch.randn(10, 30, generator=g).bfloat16())
+        opt = torch.optim.AdamW([p], lr=1e-2, weight_decay=decay)
+        update = LowPrecisionUpdate("kahan")
+        for _ in range(3):
+            p.grad = torch.randn(10, 30, generator=g).bfloat16()
+            update(opt)
+        return p.detach(), opt.state[p]
+
+    (whole, s1), (chunks, s2) = run(1 << 20), run(7)  # 300 elements: 43 chunks
+    assert torch.equal(whole, chunks) and float(s1["step"]) == float(s2["step"]) == 3
+    for key in ("exp_avg", "exp_avg_sq", "kahan_comp"):
+        assert torch.equal(s1[key], s2[key]), key
