@@ -27,7 +27,9 @@ the loss is the model's own, inside the captured graph):
 
 Dropout is 0 for every model, so the modes compute the same step.
 
-Modes (``torch.optim.AdamW(lr=1e-4)``, its default CPU implementation, in all of them):
+Modes (``torch.optim.AdamW(lr=1e-4)``, its default CPU implementation, in all of them;
+``--fused-adamw``: ``fused=True`` in all of them, whose step makes no temporaries the
+size of a parameter):
 
 - ``autocast``: the fp32 model under ``torch.autocast("cpu", torch.bfloat16)``, the user's
   loop (``loss.backward(); opt.step(); opt.zero_grad()``);
@@ -119,13 +121,14 @@ def build(name: str) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     return model, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
 
 
-def make_step(mode: str, model: nn.Module) -> tuple[Any, torch.optim.Optimizer]:
+def make_step(mode: str, model: nn.Module, fused: bool = False
+              ) -> tuple[Any, torch.optim.Optimizer]:
     """``(step(inputs) -> loss, optimizer)`` for ``mode`` (see the module docstring)."""
     import ampgraph
 
     if mode == "floor":
         model = model.to(torch.bfloat16)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused or None)
     if mode in STEPS:
         train_step = ampgraph.build_train_step(model, None, opt, "O2", "bf16", **STEPS[mode])
         return (lambda inputs: train_step(**inputs).loss), opt
@@ -150,14 +153,14 @@ def state_bytes(opt: torch.optim.Optimizer) -> int:
                for t in state.values() if isinstance(t, torch.Tensor))
 
 
-def measure(name: str, mode: str, warmup: int, steps: int) -> dict:
+def measure(name: str, mode: str, warmup: int, steps: int, fused: bool = False) -> dict:
     """One (model, mode) in this process: fixed, transient and total bytes (module docstring)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         model, inputs = build(name)
         n_params = sum(p.numel() for p in model.parameters())
-        step, opt = make_step(mode, model)
+        step, opt = make_step(mode, model, fused)
         losses = [float(step(inputs)) for _ in range(warmup)]
         t_fixed = time.time_ns()
         params = sum(p.untyped_storage().nbytes() for p in model.parameters())
@@ -184,7 +187,7 @@ def measure(name: str, mode: str, warmup: int, steps: int) -> dict:
         "fixed_parts": {"parameters": params, "optimizer_state": optimizer_state,
                         "gradients_kept": grads,
                         "other_kept": fixed - params - optimizer_state - grads},
-        "peak_in": [name for _, name in around][:6], "losses": losses,
+        "peak_in": [name for _, name in around][:6], "losses": losses, "fused_adamw": fused,
         "torch": torch.__version__,
     }
 
@@ -192,7 +195,8 @@ def measure(name: str, mode: str, warmup: int, steps: int) -> dict:
 def run_fresh(name: str, mode: str, args: argparse.Namespace) -> dict:
     """:func:`measure` in a fresh process."""
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, mode,
-           "--warmup", str(args.warmup), "--steps", str(args.steps)]
+           "--warmup", str(args.warmup), "--steps", str(args.steps)] + (
+               ["--fused-adamw"] if args.fused_adamw else [])
     out = subprocess.run(cmd, capture_output=True, text=True)
     try:
         return json.loads(out.stdout.strip().splitlines()[-1])
@@ -214,6 +218,24 @@ def table(rows: list[dict]) -> str:
         out.append(f"{r['model']:<10} {r['mode']:<16} {r['fixed'] / MIB:8.0f} "
                    f"{r['transient'] / MIB:10.0f} {r['total'] / MIB:10.0f} {ratio:>11} "
                    f"{r['fixed'] / r['params']:13.2f} {r['total'] / r['params']:13.2f}")
+    return "\n".join(out)
+
+
+def markdown(rows: list[dict]) -> str:
+    """The rows as a markdown table, one line per model and mode."""
+    base = {r["model"]: r["total"] for r in rows if r.get("mode") == "autocast" and "total" in r}
+    out = ["| model | mode | fixed + transient = total MiB | vs autocast | bytes/param "
+           "(fixed, total) | peak in |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        if "total" not in r:
+            continue
+        ratio = f"{r['total'] / base[r['model']]:.2f}x" if r["model"] in base else "-"
+        where = next((n for n in reversed(r.get("peak_in", [])) if not n.startswith("aten::")),
+                     "")
+        out.append(f"| {r['model']} | {r['mode']} | {r['fixed'] / MIB:.0f} + "
+                   f"{r['transient'] / MIB:.0f} = {r['total'] / MIB:.0f} | {ratio} | "
+                   f"{r['fixed'] / r['params']:.1f}, {r['total'] / r['params']:.1f} | "
+                   f"{where.replace('|', '/')} |")
     return "\n".join(out)
 
 
@@ -254,12 +276,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--json", help="write the rows here (JSON)")
     p.add_argument("--plot", help="write the bars here (PNG)")
+    p.add_argument("--markdown", help="write the rows here (a markdown table)")
     p.add_argument("--report", nargs="+", help="read rows from these JSON files instead")
     p.add_argument("--smoke", action="store_true", help="the tiny model, 1 + 1 steps")
+    p.add_argument("--fused-adamw", action="store_true",
+                   help="AdamW(fused=True) in every mode (no per-parameter temporaries)")
     p.add_argument("--worker", nargs=2, metavar=("MODEL", "MODE"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
-        print(json.dumps(measure(*args.worker, args.warmup, args.steps)))
+        print(json.dumps(measure(*args.worker, args.warmup, args.steps, args.fused_adamw)))
         return 0
     if args.smoke:
         args.models, args.warmup, args.steps = "tiny", 1, 1
@@ -276,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     if args.plot:
         plot(rows, args.plot)
+    if args.markdown:
+        Path(args.markdown).write_text(markdown(rows) + "\n")
     return 1 if any("error" in r for r in rows) else 0
 
 

@@ -257,3 +257,26 @@ def test_memory_benchmark_counts_each_mode_in_a_fresh_process(tmp_path):
     assert rows["step"]["fixed_parts"]["gradients_kept"] == 4 * n  # kept to be inspected
     assert rows["step-lean"]["fixed_parts"]["gradients_kept"] == 0  # released in backward
     assert rows["step"]["losses"] == pytest.approx(rows["autocast"]["losses"], rel=0.02)
+
+
+@pytest.mark.slow
+def test_lean_parity_smoke_trains_every_tier_from_one_init(tmp_path):
+    out = tmp_path / "parity.json"
+    proc = run("benchmarks/lean_parity.py", "--smoke", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    data = json.loads(out.read_text())
+    runs = data["runs"]
+    assert list(runs) == ["unfused", "fused", "lean", "stochastic", "leanest"]
+    assert [r["fused"] for r in runs.values()] == [False, True, True, True, True]
+    first = runs["unfused"]["val_loss"][0]
+    assert all(abs(r["val_loss"][0] - first) < 1e-3 for r in runs.values())  # one init
+    assert len(data["checks"]) == 4 and all(ok for _, ok, _ in data["checks"])
+
+
+@pytest.mark.slow
+def test_head_loss_speed_times_both_steps_side_by_side():
+    pytest.importorskip("transformers")
+    proc = run("benchmarks/head_loss_speed.py", "--models", "tiny", "--steps", "1",
+               "--warmup", "0")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "tiny: unfused" in proc.stdout and "fused" in proc.stdout.split("unfused")[-1]
