@@ -93,7 +93,8 @@ def test_observing_with_clipping_observes_clean_steps_clips_every_step_and_gates
 
 # What build_train_step puts in the generated step's namespace (ampgraph/train/step.py).
 NAMESPACE = {*runtime_helpers(), "net", "module", "loss_fn", "optimizer", "manager", "params",
-             "found_inf", "one", "counters", "group", "monitor", "StepOutput", "update"}
+             "found_inf", "one", "counters", "group", "monitor", "StepOutput", "update",
+             "released"}
 FLAGS = [f.name for f in dataclasses.fields(StepSpec) if f.type in ("bool", bool)]
 
 
@@ -102,7 +103,10 @@ def invalid(spec_args: dict) -> bool:
     return ((not spec_args["scaled"] and any(spec_args[f] for f in
                                              ("dynamic", "custom_unscale", "observe")))
             or (spec_args["no_sync"] and spec_args["accumulation_steps"] == 1)
-            or (spec_args["update"] and spec_args["decision"] == FOUND_INF))
+            or (spec_args["update"] and spec_args["decision"] == FOUND_INF)
+            or (spec_args["release"] and (
+                spec_args["clip_norm"] is not None or spec_args["accumulation_steps"] > 1
+                or any(spec_args[f] for f in ("scaled", "monitor", "distributed", "sharded")))))
 
 
 def unbound_names(source: str) -> set[str]:
@@ -118,7 +122,7 @@ def unbound_names(source: str) -> set[str]:
 @pytest.mark.parametrize("decision", [HOST, FOUND_INF, ALWAYS])
 def test_every_combination_of_flags_generates_a_well_formed_step(decision, accumulation_steps,
                                                                 clip_norm):
-    assert len(FLAGS) == 12  # a new flag joins the combinations
+    assert len(FLAGS) == 13  # a new flag joins the combinations
     seen: set[str] = set()
     for values in itertools.product((False, True), repeat=len(FLAGS)):
         args = dict(zip(FLAGS, values), decision=decision, clip_norm=clip_norm,
@@ -134,11 +138,14 @@ def test_every_combination_of_flags_generates_a_well_formed_step(decision, accum
         where = f"{args}:\n{source}"
         compile(source, "<check>", "exec")  # no SyntaxError / IndentationError
         assert not unbound_names(source), where
+        # release_grads: every parameter is stepped from its hook, in backward
+        release = args["release"]
         steps = source.count("optimizer.step()") + source.count("update(optimizer)")
-        assert steps == 1, where
+        assert steps == (not release), where
+        assert ("released.stepping()" in source) == release, where
         gate = "if not host[0]:" in source
-        assert gate == (decision == HOST), where
-        assert source.count("to_host(info)") == (decision == HOST), where
+        assert gate == (decision == HOST and not release), where
+        assert source.count("to_host(info)") == (decision == HOST and not release), where
         assert ("clip_grad_norm_" in source) == (clip_norm is not None), where
         assert source.rstrip().splitlines()[-1].startswith("    return StepOutput("), where
     assert seen
