@@ -156,3 +156,17 @@ def test_the_train_step_fuses_the_head_and_matches_the_unfused_step():
     assert fused_rows(steps[0].module) and not fused_rows(steps[1].module)
     # the module called directly still returns the logits: the step's graph is its own
     assert steps[0].module(**inputs).logits.shape == (2, 12, 300)
+
+
+def test_an_fp16_step_with_dynamic_loss_scaling_trains_as_the_unfused_one():
+    # fp16: backward forms the head's gradients, after the loss scale reaches them
+    model, inputs = hf_model("llama")
+    ref_model = copy.deepcopy(model)
+    losses = []
+    for m, head_loss in ((model, "auto"), (ref_model, "off")):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        step = ampgraph.build_train_step(m, None, opt, "O2", "fp16", head_loss=head_loss)
+        losses.append([float(step(**inputs).loss) for _ in range(3)])
+    assert losses[0] == pytest.approx(losses[1], rel=1e-3)
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        assert (p - q).norm() <= 1e-2 * (q.norm() + 1e-6)
