@@ -50,9 +50,9 @@ import ampgraph  # noqa: E402
 TIERS = {
     "unfused": {"head_loss": "off"},
     "fused": {},
-    "lean": {"release_grads": True},
+    "lean": {"memory": "lean"},  # release_grads=True
     "stochastic": {"master_weights": "stochastic"},
-    "leanest": {"release_grads": True, "master_weights": "stochastic"},
+    "leanest": {"memory": "leanest"},  # release_grads=True, master_weights="stochastic"
 }
 BOUNDS = {"fused": 0.003}  # relative to unfused's final validation loss; others 1%
 

@@ -42,9 +42,9 @@ size of a parameter):
   the head and its loss fused (the step reads only the loss: ``head_loss``);
 - ``step-stochastic``: the same with ``master_weights="stochastic"`` (bf16 weights,
   stochastic-rounding updates, bf16 optimizer state);
-- ``step-lean``: ``step`` with ``release_grads=True`` (each parameter stepped in backward,
-  its gradient freed there);
-- ``step-leanest``: ``step-stochastic`` with ``release_grads=True``.
+- ``step-lean``: ``memory="lean"``, ``step`` with ``release_grads=True`` (each parameter
+  stepped in backward, its gradient freed there);
+- ``step-leanest``: ``memory="leanest"``, ``step-stochastic`` with ``release_grads=True``.
 
 Run::
 
@@ -81,8 +81,8 @@ MODES = ("autocast", "floor", "o2", "step-unfused", "step", "step-stochastic", "
 STEPS = {  # build_train_step's arguments per mode
     "step-unfused": {"head_loss": "off"}, "step": {},
     "step-stochastic": {"master_weights": "stochastic"},
-    "step-lean": {"release_grads": True},
-    "step-leanest": {"release_grads": True, "master_weights": "stochastic"},
+    "step-lean": {"memory": "lean"},  # release_grads=True
+    "step-leanest": {"memory": "leanest"},  # and master_weights="stochastic"
 }
 
 

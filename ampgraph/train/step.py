@@ -38,6 +38,7 @@ from ampgraph.train.graphs import (
 )
 from ampgraph.train.loss_scale import LossScaleManager, resolve_manager
 from ampgraph.train.low_precision_weights import LowPrecisionUpdate, weight_update
+from ampgraph.train.memory_tiers import resolve_memory
 from ampgraph.train.network import (
     DEFAULT_DTYPE,
     DEFAULT_LEVEL,
@@ -263,6 +264,7 @@ def build_train_step(
     master_weights: str = "fp32",
     cuda_graph: bool | GraphCapture = False,
     release_grads: bool = False,
+    memory: str | None = None,
     **compile_kwargs: Any,
 ) -> TrainStep:
     """Compile ``model`` and generate a mixed-precision training step for it.
@@ -304,12 +306,11 @@ def build_train_step(
             impossible (no CUDA device, a collective, a monitor, a model that
             synchronises) the step runs eagerly with a warning. docs/training.md#cuda-graphs.
         release_grads: step each parameter in backward as soon as its gradient is complete
-            and free that gradient (``ampgraph.train.release_grads``): the gradients of
-            the whole model are never alive together, and none is left after the step.
-            SGD, Adam or AdamW (plain, foreach or fused), every ``master_weights`` tier;
-            not with clipping, accumulation, a loss-scale manager (fp16), a monitor, a
-            distributed network or ``cuda_graph`` (each refused, naming why).
-            docs/training.md#memory.
+            and free it (``ampgraph.train.release_grads``; SGD, Adam, AdamW; not with
+            clipping, accumulation, fp16 loss scaling, a monitor, DDP/FSDP2, cuda_graph).
+        memory: None, or a tier that sets the two above: "default", "lean" (gradients
+            released), "leanest" (also bf16 weights and state: ``master_weights=
+            "stochastic"``); ``ampgraph.train.memory_tiers``, docs/training.md#memory.
         **compile_kwargs: forwarded to ``ampgraph.compile`` (keep_batchnorm_fp32, ...).
 
     Returns:
@@ -324,6 +325,7 @@ def build_train_step(
         >>> step = build_train_step(model, nn.functional.cross_entropy, opt)  # doctest: +SKIP
         >>> out = step(x, y)  # doctest: +SKIP
     """
+    master_weights, release_grads = resolve_memory(memory, master_weights, release_grads)
     network, module = resolve_network(model, amp_level, dtype, compile_kwargs)
     if not isinstance(accumulation_steps, int) or isinstance(accumulation_steps, bool) or (
         accumulation_steps < 1
