@@ -316,10 +316,9 @@ def plot(runs: dict, path: pathlib.Path, title: str) -> bool:
     return True
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--modes", default=",".join(MODES), help="comma list of fp32,bf16,fp8")
-    ap.add_argument("--scaling", choices=("tensorwise", "rowwise"), default="tensorwise")
+def add_run_arguments(ap: argparse.ArgumentParser, eval_every: int = 25) -> None:
+    """The run's sizes, schedule, data and seed (``benchmarks/lean_parity.py`` takes them
+    too), and ``--smoke`` (:func:`run_data` applies it)."""
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--seq", type=int, default=128)
@@ -327,28 +326,20 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--eval-every", type=int, default=25)
+    ap.add_argument("--eval-every", type=int, default=eval_every)
     ap.add_argument("--val-batches", type=int, default=4)
     ap.add_argument("--val-every-file", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes: a harness check")
-    ap.add_argument("--verbose", action="store_true")
-    ap.add_argument("--json", type=pathlib.Path)
-    ap.add_argument("--plot", type=pathlib.Path, help="PNG of the loss curves")
-    args = ap.parse_args(argv)
+
+
+def run_data(args: argparse.Namespace) -> tuple:
+    """``--smoke``'s sizes applied, then ``(text, val_text, info, train_starts,
+    val_batches, init)``: the text, the training windows' offsets per step, the
+    validation batches and the model's initial state dict, all from ``args.seed``."""
     if args.smoke:
         args.steps, args.batch, args.seq, args.d = 4, 2, 32, 32
         args.layers, args.heads, args.eval_every, args.val_batches = 1, 2, 2, 1
-    modes = [m for m in args.modes.split(",") if m]
-    if bad := set(modes) - set(MODES):
-        ap.error(f"--modes: unknown {sorted(bad)}; choose from {MODES}")
-    if any(d % 16 for d in (args.d, args.d // args.heads)) and "fp8" in modes:
-        ap.error("--d and --d / --heads must be multiples of 16 for FP8")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    warnings.filterwarnings("ignore", category=UserWarning, module="torch")
-
     text, val_text, info = stdlib_text(args.val_every_file)
     g = torch.Generator().manual_seed(args.seed)
     train_starts = torch.randint(0, len(text) - args.seq - 1, (args.steps, args.batch),
@@ -358,6 +349,29 @@ def main(argv=None) -> int:
     val_batches = [windows(val_text, s, args.seq) for s in val_starts.split(args.batch)]
     torch.manual_seed(args.seed)
     init = copy.deepcopy(ByteGPT(args.d, args.layers, args.heads, args.seq).state_dict())
+    return text, val_text, info, train_starts, val_batches, init
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--modes", default=",".join(MODES), help="comma list of fp32,bf16,fp8")
+    ap.add_argument("--scaling", choices=("tensorwise", "rowwise"), default="tensorwise")
+    add_run_arguments(ap)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--verbose", action="store_true")
+    ap.add_argument("--json", type=pathlib.Path)
+    ap.add_argument("--plot", type=pathlib.Path, help="PNG of the loss curves")
+    args = ap.parse_args(argv)
+    text, val_text, info, train_starts, val_batches, init = run_data(args)
+    modes = [m for m in args.modes.split(",") if m]
+    if bad := set(modes) - set(MODES):
+        ap.error(f"--modes: unknown {sorted(bad)}; choose from {MODES}")
+    if any(d % 16 for d in (args.d, args.d // args.heads)) and "fp8" in modes:
+        ap.error("--d and --d / --heads must be multiples of 16 for FP8")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore", category=UserWarning, module="torch")
+
     n_params = sum(v.numel() for v in init.values())
     print(f"data: {info['files']} files of {info['dir']} ({info['train_bytes']} train bytes, "
           f"{info['val_files']} files / {info['val_bytes']} bytes held out); model "

@@ -124,33 +124,10 @@ def checks(runs: dict) -> list[tuple[str, bool, str]]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tiers", default=",".join(TIERS))
-    ap.add_argument("--steps", type=int, default=400)
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--d", type=int, default=128)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--eval-every", type=int, default=50)
-    ap.add_argument("--val-batches", type=int, default=4)
-    ap.add_argument("--val-every-file", type=int, default=10)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--smoke", action="store_true", help="tiny sizes: a harness check")
+    base.add_run_arguments(ap, eval_every=50)
     ap.add_argument("--json", type=pathlib.Path)
     args = ap.parse_args(argv)
-    if args.smoke:
-        args.steps, args.batch, args.seq, args.d, args.layers = 4, 2, 16, 32, 1
-        args.heads, args.eval_every, args.val_batches = 2, 2, 1
-    text, val_text, info = base.stdlib_text(args.val_every_file)
-    g = torch.Generator().manual_seed(args.seed)
-    train_starts = torch.randint(0, len(text) - args.seq - 1, (args.steps, args.batch),
-                                 generator=g)
-    val_starts = torch.linspace(0, len(val_text) - args.seq - 2,
-                                args.val_batches * args.batch).long()
-    val_batches = [base.windows(val_text, s, args.seq)
-                   for s in val_starts.view(args.val_batches, args.batch)]
-    torch.manual_seed(args.seed)
-    init = base.ByteGPT(args.d, args.layers, args.heads, args.seq).state_dict()
+    text, _, info, train_starts, val_batches, init = base.run_data(args)
     runs = {}
     for tier in args.tiers.split(","):
         runs[tier] = train(tier, init, (train_starts, text, val_batches), args)

@@ -227,16 +227,21 @@ def _adam_state(state: dict, p: torch.Tensor, kahan: bool) -> None:
     for key in ("exp_avg", "exp_avg_sq", *(["kahan_comp"] if kahan and p.dtype != torch.float32
                                           else [])):
         _state(state, key, p)
-    state["step"] = state.get("step", torch.zeros((), dtype=torch.float32)) + 1
+    _count_step(state)
+
+
+def _count_step(state: dict) -> None:
+    """Adam's step counter, counted once per update of a parameter."""
+    if "step" not in state:
+        state["step"] = torch.zeros((), dtype=torch.float32)
+    state["step"] += 1
 
 
 def _delta(optimizer: torch.optim.Optimizer, group: dict, p: torch.Tensor, grad: torch.Tensor,
            state: dict) -> torch.Tensor:
     """The fp32 update ``p_new - p`` of ``optimizer``'s rule; state kept in p's dtype."""
     if isinstance(optimizer, (torch.optim.AdamW, torch.optim.Adam)):
-        if "step" not in state:
-            state["step"] = torch.zeros((), dtype=torch.float32)
-        state["step"] += 1
+        _count_step(state)
         return _adam_delta(group, optimizer, p, grad, state)
     g = grad.float()
     lr, wd = group["lr"], group.get("weight_decay", 0.0)

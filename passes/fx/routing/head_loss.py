@@ -13,6 +13,7 @@ from torch import fx
 
 from passes._infra import PassResult, visiting
 from passes.fx.dtypes import CAST, dtype_of, is_amp_cast
+from passes.fx.nodes import SHORT_NAMES, module_info
 
 aten = torch.ops.aten
 
@@ -155,8 +156,8 @@ def _fuse(gm: fx.GraphModule, ce: fx.Node, product: fx.Node, chain: list[fx.Node
     size = f"chunks of {chunk} rows"
     fused.meta["amp_reason"] = (
         f"{ce.meta.get('amp_reason', '')}; fused with the head's product {product.name} "
-        f"({_module(product) or 'the head'}) "
-        f"in {size}: the product in {_name(dtype_of(product))}, log-sum-exp and loss in "
+        f"({module_info(product)[0] or 'the head'}) "
+        f"in {size}: the product in {SHORT_NAMES[dtype_of(product)]}, log-sum-exp and loss in "
         "fp32, the gradients formed chunk by chunk; the logits never exist whole")
     ce.replace_all_uses_with(fused)
     graph.erase_node(ce)
@@ -224,11 +225,3 @@ def _rank(node: Any) -> int | None:
     shape = _shape(node)
     return None if shape is None else len(shape)
 
-
-def _module(node: fx.Node) -> str:
-    stack = node.meta.get("nn_module_stack") or {}
-    return next(reversed(stack.values()))[0] if stack else ""
-
-
-def _name(dtype: torch.dtype | None) -> str:
-    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))

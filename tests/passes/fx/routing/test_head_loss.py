@@ -144,14 +144,20 @@ def test_what_cannot_be_fused_stays_as_it_was():
         assert not fused_rows(net) and torch.isfinite(out).all()
 
 
-def test_the_train_step_fuses_the_head_and_matches_the_unfused_step():
-    model, inputs = hf_model("gpt2")
-    ref_model = copy.deepcopy(model)
-    steps = []
-    for m, head_loss in ((model, "auto"), (ref_model, "off")):
+def fused_and_unfused_steps(kind: str, dtype: str) -> tuple[list, list, dict, list]:
+    """Three steps each of build_train_step with the head fused (the default) and with
+    ``head_loss="off"``, from one model: (models, steps, inputs, losses)."""
+    model, inputs = hf_model(kind)
+    models, steps = [model, copy.deepcopy(model)], []
+    for m, head_loss in zip(models, ("auto", "off")):
         opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
-        steps.append(ampgraph.build_train_step(m, None, opt, "O2", "bf16", head_loss=head_loss))
+        steps.append(ampgraph.build_train_step(m, None, opt, "O2", dtype, head_loss=head_loss))
     losses = [[float(step(**inputs).loss) for _ in range(3)] for step in steps]
+    return models, steps, inputs, losses
+
+
+def test_the_train_step_fuses_the_head_and_matches_the_unfused_step():
+    _, steps, inputs, losses = fused_and_unfused_steps("gpt2", "bf16")
     assert losses[0] == pytest.approx(losses[1], rel=5e-3)
     assert fused_rows(steps[0].module) and not fused_rows(steps[1].module)
     # the module called directly still returns the logits: the step's graph is its own
@@ -160,13 +166,7 @@ def test_the_train_step_fuses_the_head_and_matches_the_unfused_step():
 
 def test_an_fp16_step_with_dynamic_loss_scaling_trains_as_the_unfused_one():
     # fp16: backward forms the head's gradients, after the loss scale reaches them
-    model, inputs = hf_model("llama")
-    ref_model = copy.deepcopy(model)
-    losses = []
-    for m, head_loss in ((model, "auto"), (ref_model, "off")):
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
-        step = ampgraph.build_train_step(m, None, opt, "O2", "fp16", head_loss=head_loss)
-        losses.append([float(step(**inputs).loss) for _ in range(3)])
+    (model, ref_model), _, _, losses = fused_and_unfused_steps("llama", "fp16")
     assert losses[0] == pytest.approx(losses[1], rel=1e-3)
     for p, q in zip(model.parameters(), ref_model.parameters()):
         assert (p - q).norm() <= 1e-2 * (q.norm() + 1e-6)
