@@ -1,15 +1,17 @@
 """The model's head and its cross-entropy as one chunked op: the logits never exist whole.
 
-``passes/fx/fusions/head_loss.py`` hands a graph's last product and the cross-entropy of
+``passes/fx/routing/head_loss.py`` hands a graph's last product and the cross-entropy of
 its logits to :func:`linear_cross_entropy`. It runs them over chunks of rows (tokens):
 
 - each chunk's product runs in the input's (low) dtype, as the unfused graph's linear;
-- its logits go to fp32, where the log-sum-exp and the loss accumulate (as the unfused
-  graph's fp32 cross-entropy);
-- the gradient of the chunk's logits, ``softmax - target`` (with label smoothing,
-  ``ignore_index`` and the mean's divisor), is cast to the low dtype as the unfused
-  graph's cast back would, and the input's and the weight's gradients are formed from it
-  chunk by chunk: the weight's accumulates in fp32, block of vocabulary rows by block.
+- its logits go to fp32 and through aten's own kernels of the unfused graph's
+  cross-entropy, in place on the chunk: ``_log_softmax``, then the loss's backward
+  (``nll_loss_backward``, ``_log_softmax_backward_data``), so each chunk's
+  log-probabilities and logits' gradient are the unfused ones bit for bit (label
+  smoothing, ``ignore_index`` and the mean's divisor included);
+- the logits' gradient is cast to the low dtype as the unfused graph's cast back would,
+  and the input's and the weight's gradients are formed from it chunk by chunk: the
+  weight's accumulates in fp32, block of vocabulary rows by block.
 
 So neither the logits nor their gradient exists whole, in any dtype: a chunk is about
 ``CHUNK_BYTES`` of fp32 logits. With bf16 (or fp32) inputs the gradients are formed in
@@ -19,9 +21,12 @@ gradient (the loss scale) must reach the logits' gradient before its cast, or sm
 values underflow: backward forms the gradients, computing each chunk's logits again
 (one more product per chunk, as Cut Cross-Entropy does).
 
-The values are those of the unfused graph up to summation order: the weight's gradient is
-summed in fp32 over chunks of 16-bit partial products, where the unfused graph's is one
-16-bit product converted to fp32.
+The loss and the input's gradient are the unfused graph's bit for bit, whatever the
+chunking; so is the weight's gradient when the rows fit one chunk. Over several chunks it
+is summed over the chunks' 16-bit partial products, where the unfused graph's is one
+16-bit product: in fp32 for an fp32 weight (the master), in the weight's own dtype for a
+16-bit one (``master_weights="stochastic"``), whose gradient is 16-bit anyway: half the
+bytes, kept from forward to backward, one rounding more per chunk.
 """
 
 from __future__ import annotations
@@ -130,45 +135,60 @@ def _run(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, target: torch
          args: tuple, needs: tuple, scale: torch.Tensor | None
          ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
     """The loss over every chunk, and the gradients ``needs`` asks for (of x, w, b), the
-    logits' gradient multiplied by ``scale`` (None: 1) before its cast to ``x``'s dtype."""
+    loss's gradient ``scale`` (None: 1) reaching the logits' gradient before its cast to
+    ``x``'s dtype.
+
+    Each chunk goes through aten's own kernels, those of the unfused graph's
+    ``cross_entropy`` and its backward (``_log_softmax``, ``nll_loss_backward``,
+    ``_log_softmax_backward_data``), in place on one fp32 chunk: the log-probabilities and
+    the logits' gradient are the unfused ones bit for bit, and so is the loss, summed by
+    ``nll_loss`` over each row's picked log-probability.
+    """
     reduction, ignore_index, smoothing, rows = args
-    low = x.dtype
+    low, n, vocab = x.dtype, x.shape[0], w.shape[0]
+    need_x, need_w, need_b = needs
     with torch.no_grad():
         wl = w if w.dtype == low else w.to(low)
         bl = b if b is None or b.dtype == low else b.to(low)
-        vocab = w.shape[0]
         valid = target != ignore_index
-        safe = torch.where(valid, target, torch.zeros((), dtype=target.dtype, device=target.device))
+        zero = torch.zeros((), dtype=target.dtype, device=target.device)
+        safe = torch.where(valid, target, zero)
         count = valid.sum()
-        divisor = count.to(torch.float32) if reduction == 1 else None
-        factor = torch.ones((), dtype=torch.float32, device=x.device) if scale is None \
+        g = torch.ones((), dtype=torch.float32, device=x.device) if scale is None \
             else scale.to(torch.float32)
-        if divisor is not None:
-            factor = factor / divisor.clamp(min=1)
-        need_x, need_w, need_b = needs
+        # cross_entropy's label smoothing is (1 - eps) nll + eps / V * smooth, smooth the
+        # rows' -sum(log p) (over the rows not ignored, divided by their count for a mean):
+        # these are the gradients autograd sends to each term
+        g_nll = g * (1 - smoothing) if smoothing else g
+        g_row = -(g * (smoothing / vocab) / (count if reduction == 1 else 1)) if smoothing \
+            else None
         gx = torch.empty_like(x) if need_x else None
-        gw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_w else None
+        # fp32 masters: the weight's gradient sums in fp32; 16-bit weights (the
+        # ``stochastic`` tier): in their own dtype, half the bytes, alive until backward
+        acc = torch.float32 if w.dtype == torch.float32 else w.dtype
+        gw = torch.zeros(w.shape, dtype=acc, device=w.device) if need_w else None
         gb = torch.zeros(vocab, dtype=torch.float32, device=w.device) if need_b else None
-        total = torch.zeros((), dtype=torch.float32, device=x.device)
+        picked = torch.empty(n, 1, dtype=torch.float32, device=x.device)  # log p(target)
+        sums = torch.empty(n, dtype=torch.float32, device=x.device) if smoothing else None
         block = max(1, GRAD_BLOCK_BYTES // (4 * w.shape[1]))
-        for start in range(0, x.shape[0], rows):
-            end = min(start + rows, x.shape[0])
-            xc, tc, vc = x[start:end], safe[start:end], valid[start:end]
-            logits = torch.nn.functional.linear(xc, wl, bl).float()
-            lse = torch.logsumexp(logits, 1)
-            per_row = lse - logits.gather(1, tc[:, None]).squeeze(1)
+        for start in range(0, n, rows):
+            end = min(start + rows, n)
+            xc, tc = x[start:end], target[start:end]
+            logp = torch.nn.functional.linear(xc, wl, bl).float()
+            torch.ops.aten._log_softmax.out(logp, 1, False, out=logp)
+            torch.gather(logp, 1, safe[start:end, None], out=picked[start:end])
             if smoothing:
-                per_row = (1 - smoothing) * per_row + smoothing * (lse - logits.mean(1))
-            total += torch.where(vc, per_row, 0).sum()
+                torch.sum(logp, 1, out=sums[start:end])
             if not (need_x or need_w or need_b):
                 continue
-            # d loss / d logits = softmax - (1 - eps) onehot - eps / V, on rows not ignored
-            grad = logits.sub_(lse[:, None]).exp_()
+            go = torch.ops.aten.nll_loss_backward(g_nll, logp, tc, None, reduction,
+                                                  ignore_index, count.to(torch.float32))
             if smoothing:
-                grad.sub_(smoothing / vocab)
-            grad.scatter_add_(1, tc[:, None], torch.full_like(lse[:, None], smoothing - 1))
-            grad.mul_(vc[:, None] * factor)
-            grad = grad.to(low)  # the unfused graph's cast back to the product's dtype
+                go += torch.where(valid[start:end], g_row, 0)[:, None]
+            torch.ops.aten._log_softmax_backward_data.out(go, logp, 1, torch.float32, out=go)
+            del logp
+            grad = go.to(low)  # the unfused graph's cast back to the product's dtype
+            del go
             if need_x:
                 torch.mm(grad, wl, out=gx[start:end])
             if need_w:  # by blocks of the vocabulary: no whole fp32 partial besides gw
@@ -176,5 +196,11 @@ def _run(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, target: torch
                     gw[v0:v0 + block] += torch.mm(grad[:, v0:v0 + block].t(), xc)
             if need_b:
                 gb += grad.sum(0)
-        loss = total / divisor if divisor is not None else total
+        loss = torch.nn.functional.nll_loss(picked, torch.where(valid, 0, ignore_index),
+                                            reduction=_REDUCTIONS[reduction],
+                                            ignore_index=ignore_index)
+        if smoothing:
+            smooth = (-sums).masked_fill_(~valid, 0)
+            smooth = smooth.sum() / count if reduction == 1 else smooth.sum()
+            loss = (1 - smoothing) * loss + smooth * (smoothing / vocab)
     return loss, [gx, gw, gb]
