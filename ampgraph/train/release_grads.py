@@ -15,6 +15,14 @@ parameter the optimizer holds; while the step's backward runs (:meth:`stepping`)
    device; otherwise the flag is read on the host, once per parameter;
 3. sets ``p.grad = None``.
 
+A parameter larger than ``CHUNK`` elements is stepped in flat chunks of that many, each a
+view of the parameter, its gradient and its state (the optimizer's state is made by the
+optimizer itself, chunk by chunk, on the parameter's first step): an update is elementwise,
+so the values are those of one call for the whole parameter, and the temporaries of
+torch's default AdamW (``exp_avg_sq.sqrt()`` and the like) are a chunk's size, not the
+parameter's. In backward every activation is still alive; a 128256 x 512 head's
+temporaries would be 250 MiB each.
+
 What cannot be honoured is refused when the step is built (:func:`check_release`): a
 global gradient-norm clip (it needs every gradient first), accumulation over
 micro-batches (the gradients would have to live on), a loss-scale manager (fp16's skip on
@@ -34,9 +42,14 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["ReleasedGradients", "check_release"]
+__all__ = ["CHUNK", "ReleasedGradients", "check_release"]
 
 _OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+
+# Elements of a parameter stepped at once: a multiple of any vector width, so that each
+# chunk starts where a whole-parameter call would start a vector (fused AdamW computes a
+# tail shorter than a vector in another way)
+CHUNK = 1 << 20
 
 
 def check_release(optimizer: torch.optim.Optimizer, *, clip: float | None,
@@ -111,10 +124,43 @@ class ReleasedGradients:
             return
         torch._amp_foreach_non_finite_check_and_unscale_([p.grad], self.found_inf, self.one)
         if self.fused or not self.found_inf.item():
-            with self._narrowed(p):
-                self._call()
+            if self.update is None and p.numel() > CHUNK and p.is_contiguous() \
+                    and p.grad.is_contiguous():
+                self._step_in_chunks(p)
+            else:
+                with self._narrowed(p, p):
+                    self._call()
             self.stepped += 1
         p.grad = None
+
+    def _step_in_chunks(self, p: torch.Tensor) -> None:
+        """Step ``p`` as flat chunks of ``CHUNK`` elements: each chunk a view of ``p``, its
+        gradient and its state, stepped by the optimizer as a parameter of its own."""
+        state = self.optimizer.state
+        whole = state.pop(p, None) or {}  # entries the size of p, and scalars ("step")
+        given = dict(whole)  # empty on the first step: each chunk's step makes its own
+        flat, grad = p.detach().view(-1), p.grad.view(-1)
+        for a in range(0, flat.numel(), CHUNK):
+            view = flat[a:a + CHUNK]
+            view.grad = grad[a:a + CHUNK]
+            # a view of each entry the size of p; a copy of each scalar
+            state[view] = {k: v.view(-1)[a:a + CHUNK] if _sized(v, p) else
+                           v.clone() if isinstance(v, torch.Tensor) else v
+                           for k, v in given.items()}
+            with self._narrowed(p, view):
+                self._call()
+            mine = state.pop(view, {})
+            for k, v in mine.items():
+                if not _sized(v, view):
+                    whole[k] = v  # the step count: each chunk's copy counts the same
+                    continue
+                if k not in whole:  # made by the first step, a chunk's size: p's
+                    whole[k] = torch.empty(p.shape, dtype=v.dtype, device=v.device)
+                part = whole[k].view(-1)[a:a + CHUNK]
+                if part.data_ptr() != v.data_ptr():  # a new tensor, not the view it was given
+                    part.copy_(v)
+        if whole:  # plain SGD keeps none
+            state[p] = whole
 
     def _call(self) -> None:
         opt = self.optimizer
@@ -130,13 +176,14 @@ class ReleasedGradients:
             opt.step()
 
     @contextlib.contextmanager
-    def _narrowed(self, p: torch.Tensor) -> Iterator[None]:
-        """The optimizer's groups, for one call, with ``p`` alone in its own."""
+    def _narrowed(self, p: torch.Tensor, stepped: torch.Tensor) -> Iterator[None]:
+        """The optimizer's groups, for one call, with ``stepped`` (``p`` or a chunk of it)
+        alone in ``p``'s."""
         groups = self.optimizer.param_groups
         mine = self.group_of[p]
         saved = [g["params"] for g in groups]
         for i, g in enumerate(groups):
-            g["params"] = [p] if i == mine else []
+            g["params"] = [stepped] if i == mine else []
         try:
             yield
         finally:
@@ -148,3 +195,8 @@ class ReleasedGradients:
         for handle in self.handles:
             handle.remove()
         self.handles = []
+
+
+def _sized(v: Any, p: torch.Tensor) -> bool:
+    """Whether the state entry ``v`` is a tensor with ``p``'s elements (not a scalar)."""
+    return isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() == p.numel()

@@ -56,6 +56,68 @@ def test_released_gradients_train_exactly_as_kept_ones(name):
         assert torch.equal(p, q)
 
 
+OPTIMIZERS_MORE = OPTIMIZERS | {
+    "adam-amsgrad": lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True, weight_decay=0.1),
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05),
+}
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS_MORE))
+def test_parameters_stepped_in_chunks_train_and_keep_state_exactly_as_whole(name, monkeypatch):
+    import ampgraph.train.release_grads as release_grads
+
+    kept, released = net(), net()
+    opt_kept, opt_released = (OPTIMIZERS_MORE[name](list(m.parameters()))
+                              for m in (kept, released))
+    # 1024, 512, 320 elements: whole chunks and a half one. A chunk is a multiple of the
+    # vector width, as CHUNK: the fused kernels compute a scalar tail in another way
+    monkeypatch.setattr(release_grads, "CHUNK", 128)
+    steps = [ampgraph.build_train_step(m, F.cross_entropy, o, "O2", "bf16",
+                                       release_grads=r)
+             for m, o, r in ((kept, opt_kept, False), (released, opt_released, True))]
+    for x, y in batches():
+        assert float(steps[0](x, y).loss) == float(steps[1](x, y).loss)
+    for p, q in zip(kept.parameters(), released.parameters()):
+        assert torch.equal(p, q)
+    a, b = opt_kept.state_dict()["state"], opt_released.state_dict()["state"]
+    assert a.keys() == b.keys()
+    for i in a:
+        assert a[i].keys() == b[i].keys()
+        for k, v in a[i].items():  # whole entries, the parameter's shape, not chunks
+            assert torch.equal(v, b[i][k]) if isinstance(v, torch.Tensor) else v == b[i][k]
+
+
+def test_no_optimizer_temporary_is_larger_than_a_chunk(monkeypatch):
+    import ampgraph.train.release_grads as release_grads
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Largest(TorchDispatchMode):
+        numel = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor) and t._base is None and t.dim() > 0:
+                    Largest.numel = max(Largest.numel, t.numel())
+            return out
+
+    call = release_grads.ReleasedGradients._call
+
+    def watched(self):
+        with Largest():
+            call(self)
+
+    monkeypatch.setattr(release_grads, "CHUNK", 128)
+    monkeypatch.setattr(release_grads.ReleasedGradients, "_call", watched)
+    model = nn.Linear(64, 64)  # 4096 weights: 32 chunks
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)  # the default: per-parameter temps
+    step = ampgraph.build_train_step(model, lambda out, y: out.float().square().mean(), opt,
+                                     "O2", "bf16", release_grads=True)
+    for _ in range(2):  # the first step makes the state, the second reads it
+        step(torch.randn(2, 64), None)
+    assert 0 < Largest.numel <= 128
+
+
 @pytest.mark.parametrize("master", ["kahan", "stochastic"])
 def test_sixteen_bit_weights_tiers_release_their_gradients_too(master):
     kept, released = net(), net()
