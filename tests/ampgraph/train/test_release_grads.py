@@ -88,8 +88,9 @@ def test_parameters_stepped_in_chunks_train_and_keep_state_exactly_as_whole(name
 
 
 def test_no_optimizer_temporary_is_larger_than_a_chunk(monkeypatch):
-    import ampgraph.train.release_grads as release_grads
     from torch.utils._python_dispatch import TorchDispatchMode
+
+    import ampgraph.train.release_grads as release_grads
 
     class Largest(TorchDispatchMode):
         numel = 0
