@@ -23,7 +23,9 @@ the loss is the model's own, inside the captured graph):
 - ``gpt2``: HF ``GPT2LMHeadModel(GPT2Config())`` (GPT-2 small, tied embeddings), 4 x 128;
 - ``bert``: HF ``BertForMaskedLM(BertConfig())`` (BERT-base, tied decoder), 8 x 128, 15% of
   the tokens labelled, the rest ``-100``;
-- ``tiny``: a 1-layer LLaMA, d=32, vocabulary 300, 2 x 16 (``--smoke``: the harness check).
+- ``tiny``: a 1-layer LLaMA, d=32, vocabulary 300, 2 x 16 (``--smoke``: the harness check);
+- ``small``: a 2-layer LLaMA, d=128, vocabulary 8000, 2 x 256 (the ``--fp32-products``
+  check: its real 16-bit products take seconds even where they run at 0.2 GFLOP/s).
 
 Dropout is 0 for every model, so the modes compute the same step.
 
@@ -46,12 +48,22 @@ size of a parameter):
   stepped in backward, its gradient freed there);
 - ``step-leanest``: ``memory="leanest"``, ``step-stochastic`` with ``release_grads=True``.
 
+``--fp32-products``: on a CPU without bf16 instructions (AVX2: oneDNN's reference kernel
+runs a bf16 product at ~0.2 GFLOP/s), every 16-bit product (``mm``, ``addmm``, ``bmm``,
+their ``out=`` forms) is computed in fp32 by blocks of at most 1 MiB per operand and
+written into the 16-bit result the real op would make (:class:`Fp32Products`): the
+allocations are the real step's plus at most three live 1 MiB blocks; the values are the
+fp32-accumulated products, rounded once, as the 16-bit kernels compute them (in another
+summation order). A mode whose attention is aten's own fused kernel (autocast, the floor)
+still runs its 16-bit products there.
+
 Run::
 
     python benchmarks/memory.py                                   # every model and mode
     python benchmarks/memory.py --models llama32k --modes autocast,step --json mem.json
     python benchmarks/memory.py --report mem.json --plot docs/img/memory.png
     python benchmarks/memory.py --smoke                           # tiny: the harness check
+    python benchmarks/memory.py --fp32-products ...               # a CPU without bf16
 
 Prints one row per (model, mode) with the ratio of its total to autocast's, and the bytes
 per parameter, fixed and total; ``--json`` writes the rows, ``--plot`` the bars (fixed and
@@ -71,6 +83,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+aten = torch.ops.aten
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -86,6 +101,41 @@ STEPS = {  # build_train_step's arguments per mode
 }
 
 
+class Fp32Products(TorchDispatchMode):
+    """16-bit ``mm``/``addmm``/``bmm`` (and their ``out=`` forms) computed in fp32, by
+    blocks of at most ``BLOCK`` elements per operand, into the 16-bit result the op would
+    allocate (``--fp32-products``, see the module docstring)."""
+
+    BLOCK = 1 << 18  # fp32 elements: 1 MiB
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        packet = func.overloadpacket
+        if packet not in (aten.mm, aten.addmm, aten.bmm):
+            return func(*args, **kwargs)
+        bias, (a, b) = (args[0], args[1:3]) if packet is aten.addmm else (None, args[:2])
+        if a.dtype not in (torch.bfloat16, torch.float16) or kwargs.get("beta", 1) != 1 \
+                or kwargs.get("alpha", 1) != 1:
+            return func(*args, **kwargs)
+        out = kwargs.get("out")
+        if out is None:
+            out = torch.empty((*a.shape[:-1], b.shape[-1]), dtype=a.dtype, device=a.device)
+        lead = a.shape[0] if a.dim() == 3 else 1
+        k, m, n = a.shape[-1], a.shape[-2], b.shape[-1]
+        rows = max(1, self.BLOCK // (lead * k))
+        cols = max(1, self.BLOCK // (lead * k))
+        for i in range(0, m, rows):
+            ai = a[..., i:i + rows, :].float()
+            for j in range(0, n, cols):
+                part = torch.matmul(ai, b[..., :, j:j + cols].float())
+                if bias is not None:
+                    part += bias[..., j:j + cols].float()
+                out[..., i:i + rows, j:j + cols].copy_(part)
+                del part
+            del ai
+        return out
+
+
 def build(name: str) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     """The model (fp32, seeded) and its keyword inputs, ``labels`` included."""
     import transformers as tf
@@ -94,11 +144,15 @@ def build(name: str) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
     llama = dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8,
                  num_key_value_heads=8, intermediate_size=1376)
-    if name in ("llama32k", "llama128k", "tiny"):
+    if name in ("llama32k", "llama128k", "tiny", "small"):
         if name == "tiny":
             cfg = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                        num_key_value_heads=2, intermediate_size=64, vocab_size=300)
             batch, seq = 2, 16
+        elif name == "small":
+            cfg = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=4, intermediate_size=344, vocab_size=8000)
+            batch, seq = 2, 256
         else:
             cfg = dict(llama, vocab_size=32000 if name == "llama32k" else 128256)
             batch, seq = 2, 512
@@ -112,7 +166,7 @@ def build(name: str) -> tuple[nn.Module, dict[str, torch.Tensor]]:
                                                  attention_probs_dropout_prob=0.0))
         batch, seq = 8, 128
     else:
-        raise ValueError(f"unknown model {name!r}; choose from {MODELS + ('tiny',)}")
+        raise ValueError(f"unknown model {name!r}; choose from {MODELS + ('tiny', 'small')}")
     vocab = model.config.vocab_size
     ids = torch.randint(1, vocab, (batch, seq), generator=g)
     labels = ids.clone()
@@ -153,11 +207,15 @@ def state_bytes(opt: torch.optim.Optimizer) -> int:
                for t in state.values() if isinstance(t, torch.Tensor))
 
 
-def measure(name: str, mode: str, warmup: int, steps: int, fused: bool = False) -> dict:
+def measure(name: str, mode: str, warmup: int, steps: int, fused: bool = False,
+            fp32_products: bool = False) -> dict:
     """One (model, mode) in this process: fixed, transient and total bytes (module docstring)."""
+    import contextlib
+
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    products = Fp32Products() if fp32_products else contextlib.nullcontext()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, products:
         model, inputs = build(name)
         n_params = sum(p.numel() for p in model.parameters())
         step, opt = make_step(mode, model, fused)
@@ -188,7 +246,7 @@ def measure(name: str, mode: str, warmup: int, steps: int, fused: bool = False) 
                         "gradients_kept": grads,
                         "other_kept": fixed - params - optimizer_state - grads},
         "peak_in": [name for _, name in around][:6], "losses": losses, "fused_adamw": fused,
-        "torch": torch.__version__,
+        "fp32_products": fp32_products, "torch": torch.__version__,
     }
 
 
@@ -196,7 +254,8 @@ def run_fresh(name: str, mode: str, args: argparse.Namespace) -> dict:
     """:func:`measure` in a fresh process."""
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, mode,
            "--warmup", str(args.warmup), "--steps", str(args.steps)] + (
-               ["--fused-adamw"] if args.fused_adamw else [])
+               ["--fused-adamw"] if args.fused_adamw else []) + (
+               ["--fp32-products"] if args.fp32_products else [])
     out = subprocess.run(cmd, capture_output=True, text=True)
     try:
         return json.loads(out.stdout.strip().splitlines()[-1])
@@ -281,10 +340,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="the tiny model, 1 + 1 steps")
     p.add_argument("--fused-adamw", action="store_true",
                    help="AdamW(fused=True) in every mode (no per-parameter temporaries)")
+    p.add_argument("--fp32-products", action="store_true",
+                   help="16-bit products computed in fp32 by blocks (a CPU without bf16)")
     p.add_argument("--worker", nargs=2, metavar=("MODEL", "MODE"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
-        print(json.dumps(measure(*args.worker, args.warmup, args.steps, args.fused_adamw)))
+        print(json.dumps(measure(*args.worker, args.warmup, args.steps, args.fused_adamw,
+                                 args.fp32_products)))
         return 0
     if args.smoke:
         args.models, args.warmup, args.steps = "tiny", 1, 1

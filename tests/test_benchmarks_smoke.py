@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -280,3 +281,23 @@ def test_head_loss_speed_times_both_steps_side_by_side():
                "--warmup", "0")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "tiny: unfused" in proc.stdout and "fused" in proc.stdout.split("unfused")[-1]
+
+
+def test_memory_fp32_products_compute_the_16_bit_products_into_their_results(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import memory
+
+    monkeypatch.setattr(memory.Fp32Products, "BLOCK", 64)  # many blocks, ragged edges
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(3, 37, 16, generator=g).bfloat16() for _ in range(2))
+    w, bias = torch.randn(29, 16, generator=g).bfloat16(), torch.randn(29).bfloat16()
+    out = torch.empty(37, 29, dtype=torch.bfloat16)
+    want = [a[0] @ w.t(), torch.addmm(bias, a[0], w.t()), torch.bmm(a, b.transpose(1, 2)),
+            a[1] @ w.t()]
+    with memory.Fp32Products():
+        got = [a[0] @ w.t(), torch.addmm(bias, a[0], w.t()), torch.bmm(a, b.transpose(1, 2)),
+               torch.mm(a[1], w.t(), out=out)]
+    assert got[3] is out
+    for x, y in zip(got, want):
+        assert x.dtype == torch.bfloat16 and x.shape == y.shape
+        assert torch.allclose(x.float(), y.float(), rtol=1e-2, atol=1e-2)
