@@ -22,15 +22,21 @@ under ``torch.no_grad()``) every ``--eval-every`` steps and after the last. Chec
 PASS/FAIL lines: ``fused``'s final validation loss within 0.3% of ``unfused``'s, every
 other tier's within 1%.
 
+``--fp32-products``: the 16-bit products computed in fp32 into their 16-bit results
+(``benchmarks/memory.py``'s ``Fp32Products``), for a CPU without bf16 instructions: the
+same inputs, an fp32 accumulation rounded once, as the 16-bit kernels (in another
+summation order).
+
 Usage:
     python benchmarks/lean_parity.py [--steps 400] [--tiers unfused,fused,lean,...]
-        [--json out.json]
+        [--json out.json] [--fp32-products]
     python benchmarks/lean_parity.py --smoke
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import pathlib
 import sys
@@ -44,6 +50,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import fp8_numerics as base  # noqa: E402 - benchmarks/, the script's folder
+from memory import Fp32Products  # noqa: E402
 
 import ampgraph  # noqa: E402
 
@@ -126,11 +133,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiers", default=",".join(TIERS))
     base.add_run_arguments(ap, eval_every=50)
     ap.add_argument("--json", type=pathlib.Path)
+    ap.add_argument("--fp32-products", action="store_true",
+                    help="16-bit products computed in fp32 (a CPU without bf16)")
     args = ap.parse_args(argv)
     text, _, info, train_starts, val_batches, init = base.run_data(args)
     runs = {}
     for tier in args.tiers.split(","):
-        runs[tier] = train(tier, init, (train_starts, text, val_batches), args)
+        with Fp32Products() if args.fp32_products else contextlib.nullcontext():
+            runs[tier] = train(tier, init, (train_starts, text, val_batches), args)
         rec = runs[tier]
         print(f"{tier:<11} final val {rec['final_val_loss']:.4f}  last train "
               f"{rec['train_loss'][-1]:.4f}  fused head {rec['fused']}  "
