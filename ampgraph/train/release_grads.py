@@ -42,14 +42,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampgraph.train.low_precision_weights import UPDATE_CHUNK
+
 __all__ = ["CHUNK", "ReleasedGradients", "check_release"]
 
 _OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 
-# Elements of a parameter stepped at once: a multiple of any vector width, so that each
-# chunk starts where a whole-parameter call would start a vector (fused AdamW computes a
-# tail shorter than a vector in another way)
-CHUNK = 1 << 20
+# Elements of a parameter stepped at once: the 16-bit update's chunk, a multiple of any
+# vector width, so that each chunk starts where a whole-parameter call would start a
+# vector (fused AdamW computes a tail shorter than a vector in another way)
+CHUNK = UPDATE_CHUNK
 
 
 def check_release(optimizer: torch.optim.Optimizer, *, clip: float | None,
