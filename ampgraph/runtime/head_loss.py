@@ -21,6 +21,16 @@ gradient (the loss scale) must reach the logits' gradient before its cast, or sm
 values underflow: backward forms the gradients, computing each chunk's logits again
 (one more product per chunk, as Cut Cross-Entropy does).
 
+Where nothing else reads the weight (``own_weight``, the graph pass decides) and a step
+that releases its gradients owns it (``grad_sinks.py``: ``build_train_step(...,
+memory="lean")``), the head is streamed by blocks of vocabulary rows instead
+(:class:`StreamedLinearCrossEntropy`): forward takes the loss with an online log-sum-exp,
+backward computes each block's logits again and hands the block's weight gradient to the
+step, which steps those rows at once. Neither the weight's gradient nor its 16-bit copy
+then exists whole (at vocabulary 32000, d 512: 62.5 and 31 MiB); it costs one product more
+than the chunked head, and its values are the unfused ones within fp32 rounding (the loss)
+and one 16-bit rounding per block (the input's gradient).
+
 The loss and the input's gradient are the unfused graph's bit for bit, whatever the
 chunking; so is the weight's gradient when the rows fit one chunk. Over several chunks it
 is summed over the chunks' 16-bit partial products, where the unfused graph's is one
@@ -35,7 +45,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["CHUNK_BYTES", "GRAD_BLOCK_BYTES", "chunk_rows", "linear_cross_entropy"]
+from ampgraph.runtime.grad_sinks import GradSink, sink_of
+
+__all__ = ["CHUNK_BYTES", "GRAD_BLOCK_BYTES", "chunk_rows", "linear_cross_entropy",
+           "vocab_rows"]
 
 # fp32 logits per chunk. Each chunk's product reads the whole weight, so a chunk much
 # smaller than this rereads it often (a 128256 x 512 bf16 head is 125 MiB); one much
@@ -61,10 +74,23 @@ def chunk_rows(rows: int, vocab: int, budget: int = CHUNK_BYTES) -> int:
     return max(1, min(rows, n))
 
 
+def vocab_rows(rows: int, vocab: int, d: int) -> int:
+    """Vocabulary rows per block of the streamed head: the most whose fp32 logits for
+    ``rows`` rows fit ``CHUNK_BYTES`` and whose fp32 weight gradient fits
+    ``GRAD_BLOCK_BYTES``, a multiple of 8 (at least 8), at most ``vocab``.
+
+    Example:
+        >>> vocab_rows(1022, 32000, 512), vocab_rows(32768, 128256, 4096)
+        (4096, 256)
+    """
+    n = min(CHUNK_BYTES // (4 * max(1, rows)), GRAD_BLOCK_BYTES // (4 * max(1, d)))
+    return max(1, min(vocab, max(8, n // 8 * 8)))
+
+
 def linear_cross_entropy(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
                          target: torch.Tensor, reduction: int = 1, ignore_index: int = -100,
-                         label_smoothing: float = 0.0, chunk: int | None = None
-                         ) -> torch.Tensor:
+                         label_smoothing: float = 0.0, chunk: int | None = None,
+                         own_weight: bool = False) -> torch.Tensor:
     """``cross_entropy(linear(x, w.to(x.dtype), b).float(), target, ...)`` in chunks of
     ``chunk`` rows (default :func:`chunk_rows`), never forming the logits whole.
 
@@ -74,6 +100,10 @@ def linear_cross_entropy(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | Non
         target: ``[N]`` class indices; ``ignore_index`` rows count for nothing.
         reduction: aten's enum, 1 (mean over the rows not ignored) or 2 (sum).
         label_smoothing: as ``torch.nn.functional.cross_entropy``'s.
+        own_weight: nothing else reads ``w`` (the graph pass knows): where ``w`` has a
+            gradient sink (``grad_sinks.py``: a step that releases its gradients), its
+            gradient is handed over by blocks of vocabulary rows, and the head is
+            streamed by them (see the module docstring).
 
     Example:
         >>> x = torch.randn(6, 4).bfloat16(); w = torch.randn(10, 4)
@@ -89,6 +119,11 @@ def linear_cross_entropy(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | Non
         raise ValueError(f"linear_cross_entropy takes x [N, d], w [V, d], target [N]; got "
                          f"{tuple(x.shape)}, {tuple(w.shape)}, {tuple(target.shape)}")
     rows = chunk or chunk_rows(x.shape[0], w.shape[0])
+    sink = sink_of(w) if own_weight and w.requires_grad and w.is_contiguous() \
+        and w.dtype in (torch.float32, x.dtype) and torch.is_grad_enabled() else None
+    if sink is not None:
+        return StreamedLinearCrossEntropy.apply(x, w, b, target, reduction, ignore_index,
+                                                float(label_smoothing), sink)
     return LinearCrossEntropy.apply(x, w, b, target, reduction, ignore_index,
                                     float(label_smoothing), rows)
 
@@ -204,3 +239,132 @@ def _run(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, target: torch
             smooth = smooth.sum() / count if reduction == 1 else smooth.sum()
             loss = (1 - smoothing) * loss + smooth * (smoothing / vocab)
     return loss, [gx, gw, gb]
+
+
+class StreamedLinearCrossEntropy(torch.autograd.Function):
+    """:func:`linear_cross_entropy` by blocks of vocabulary rows, its weight's gradient
+    handed to the weight's sink block by block (``release_grads=True``): neither the
+    weight's gradient nor its 16-bit copy ever exists whole. Forward takes the loss with
+    an online log-sum-exp over the blocks (each block's weight cast on its own) and keeps
+    each row's log-sum-exp; backward computes each block's logits again (one product more
+    than :class:`LinearCrossEntropy`, as Cut Cross-Entropy does), their gradient
+    ``softmax - target`` in fp32, cast to the low dtype as the unfused graph's, and from it
+    the input's gradient (summed over the blocks in fp32) and the block's weight gradient,
+    which the sink steps at once. The values are the unfused graph's within fp32 rounding
+    (the log-sum-exp is summed in another order) and, for the input's gradient, one 16-bit
+    rounding per block."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+                target: torch.Tensor, reduction: int, ignore_index: int,
+                smoothing: float, sink: GradSink) -> torch.Tensor:
+        ctx.args, ctx.sink = (reduction, ignore_index, smoothing), sink
+        ctx.dtypes = (x.dtype, w.dtype, None if b is None else b.dtype)
+        loss, lse = _streamed_loss(x, w, b, target, ctx.args)
+        ctx.save_for_backward(x, w, b, target, lse)
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        x, w, b, target, lse = ctx.saved_tensors
+        gx, gw, gb = _streamed_grads(x, w, b, target, lse, ctx.args,
+                                     ctx.needs_input_grad[:3], grad, ctx.sink)
+        dtypes = ctx.dtypes
+        return (gx, gw, None if gb is None else gb.to(dtypes[2]), None, None, None, None,
+                None)
+
+
+def _block_logits(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, v0: int,
+                  v1: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(fp32 logits [N, v1 - v0], the block's weight in x's dtype)``: the unfused
+    graph's product for vocabulary rows ``v0:v1``."""
+    wl = w[v0:v1].to(x.dtype)
+    bl = None if b is None else b[v0:v1].to(x.dtype)
+    return torch.nn.functional.linear(x, wl, bl).float(), wl
+
+
+def _streamed_loss(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+                   target: torch.Tensor, args: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loss, and each row's fp32 log-sum-exp, by blocks of vocabulary rows."""
+    reduction, ignore_index, smoothing = args
+    n, vocab = x.shape[0], w.shape[0]
+    step = vocab_rows(n, vocab, w.shape[1])
+    f32 = dict(dtype=torch.float32, device=x.device)
+    with torch.no_grad():
+        valid = target != ignore_index
+        safe = torch.where(valid, target, torch.zeros_like(target))
+        top = torch.full((n,), float("-inf"), **f32)  # the running max of each row
+        total = torch.zeros(n, **f32)  # the sum of exp(logit - top)
+        picked = torch.zeros(n, **f32)  # the target's logit
+        sums = torch.zeros(n, **f32) if smoothing else None  # the sum of the logits
+        for v0 in range(0, vocab, step):
+            v1 = min(vocab, v0 + step)
+            logits, _ = _block_logits(x, w, b, v0, v1)
+            here = (safe >= v0) & (safe < v1)
+            col = torch.where(here, safe - v0, torch.zeros_like(safe))[:, None]
+            picked += torch.where(here, logits.gather(1, col)[:, 0], 0)
+            if smoothing:
+                sums += logits.sum(1)
+            new = torch.maximum(top, logits.amax(1))
+            total.mul_(torch.exp(top - new)).add_(logits.sub_(new[:, None]).exp_().sum(1))
+            top = new
+            del logits
+        lse = top + total.log()
+        count = valid.sum()
+        nll = (lse - picked).masked_fill_(~valid, 0).sum()
+        loss = nll / count if reduction == 1 else nll
+        if smoothing:  # -sum(log p) over a row: V * lse - sum(logits)
+            smooth = (vocab * lse - sums).masked_fill_(~valid, 0).sum()
+            smooth = smooth / count if reduction == 1 else smooth
+            loss = (1 - smoothing) * loss + smooth * (smoothing / vocab)
+    return loss, lse
+
+
+def _streamed_grads(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+                    target: torch.Tensor, lse: torch.Tensor, args: tuple, needs: tuple,
+                    grad: torch.Tensor, sink: GradSink
+                    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """The gradients ``needs`` asks for, by blocks of vocabulary rows; the weight's handed
+    to ``sink`` block by block while it accepts (then None is returned for it)."""
+    reduction, ignore_index, smoothing = args
+    need_x, need_w, need_b = needs
+    n, vocab, d = x.shape[0], w.shape[0], w.shape[1]
+    step = vocab_rows(n, vocab, d)
+    streaming = need_w and sink.accepting()
+    with torch.no_grad():
+        valid = target != ignore_index
+        safe = torch.where(valid, target, torch.zeros_like(target))
+        count = valid.sum()
+        # the logits' gradient of a row: coef * (softmax - (1 - eps) onehot - eps / V)
+        coef = grad.to(torch.float32) / (count if reduction == 1 else 1)
+        coef = torch.where(valid, coef, 0)[:, None]
+        gx = torch.zeros(n, d, dtype=torch.float32, device=x.device) if need_x else None
+        gw = torch.empty(w.shape, dtype=w.dtype, device=w.device) \
+            if need_w and not streaming else None
+        gb = torch.empty(vocab, dtype=torch.float32, device=x.device) if need_b else None
+        for v0 in range(0, vocab, step):
+            v1 = min(vocab, v0 + step)
+            logits, wl = _block_logits(x, w, b, v0, v1)
+            go = logits.sub_(lse[:, None]).exp_()
+            if smoothing:
+                go -= smoothing / vocab
+            here = (safe >= v0) & (safe < v1)
+            col = torch.where(here, safe - v0, torch.zeros_like(safe))[:, None]
+            go.scatter_add_(1, col, torch.where(here, smoothing - 1.0, 0.0)[:, None]
+                            .to(go.dtype))
+            low = go.mul_(coef).to(x.dtype)  # the unfused graph's cast back
+            del go, logits
+            if need_x:
+                gx += torch.mm(low, wl)
+            if need_w:
+                part = torch.mm(low.t(), x).to(w.dtype)
+                if streaming:
+                    sink.take(w, v0 * d, part.view(-1))
+                else:
+                    gw[v0:v1] = part
+                del part
+            if need_b:
+                gb[v0:v1] = low.sum(0)
+        if streaming:
+            sink.finish(w)
+    return (None if gx is None else gx.to(x.dtype)), gw, gb

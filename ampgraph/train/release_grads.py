@@ -23,6 +23,12 @@ torch's default AdamW (``exp_avg_sq.sqrt()`` and the like) are a chunk's size, n
 parameter's. In backward every activation is still alive; a 128256 x 512 head's
 temporaries would be 250 MiB each.
 
+It is also the gradient sink (``runtime/grad_sinks.py``) of each
+parameter: an op that forms a parameter's whole gradient by blocks (the fused head of an
+untied LM head) hands each block to :meth:`ReleasedGradients.take`, stepped at once as a
+chunk, so that gradient never exists whole. A gradient for such a parameter arriving after
+that from elsewhere is refused with an error, not stepped twice.
+
 What cannot be honoured is refused when the step is built (:func:`check_release`): a
 global gradient-norm clip (it needs every gradient first), accumulation over
 micro-batches (the gradients would have to live on), a loss-scale manager (fp16's skip on
@@ -36,12 +42,14 @@ stepped (the ones before it were): the step reports the overflow.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
+from ampgraph.runtime.grad_sinks import register_sink, unregister_sink
 from ampgraph.train.low_precision_weights import UPDATE_CHUNK
 
 __all__ = ["CHUNK", "ReleasedGradients", "check_release"]
@@ -111,19 +119,34 @@ class ReleasedGradients:
         self.active = False
         self.stepped = 0  # parameters stepped in the last backward
         self.handles = [p.register_post_accumulate_grad_hook(self._step) for p in params]
+        # a gradient handed over by parts is stepped by parts (grad_sinks.py)
+        self.sunk = params
+        for p in self.sunk:
+            register_sink(p, self)
+        self._parts: dict[torch.Tensor, _Parts] = {}  # parameters being taken by parts
+        self._taken: set[torch.Tensor] = set()  # parameters taken whole in this backward
 
     @contextlib.contextmanager
     def stepping(self) -> Iterator[None]:
         """The body's backward steps each parameter and frees its gradient."""
         self.active, self.stepped = True, 0
+        self._taken.clear()
         try:
             yield
         finally:
             self.active = False
+            for p in list(self._parts):  # a backward stopped halfway: the state kept whole
+                self._end(p, self._parts.pop(p))
 
     def _step(self, p: torch.Tensor) -> None:
         if not self.active or p.grad is None:  # a backward of the user's own: left alone
             return
+        if p in self._taken:
+            raise RuntimeError(
+                f"release_grads: a parameter of shape {tuple(p.shape)} got a gradient from "
+                "outside the op that handed its whole gradient over by parts (the fused "
+                "head), after it was stepped; its graph said nothing else reads it. Build "
+                "the step with head_loss='off' or release_grads=False")
         torch._amp_foreach_non_finite_check_and_unscale_([p.grad], self.found_inf, self.one)
         if self.fused or not self.found_inf.item():
             if self.update is None and p.numel() > CHUNK and p.is_contiguous() \
@@ -138,31 +161,73 @@ class ReleasedGradients:
     def _step_in_chunks(self, p: torch.Tensor) -> None:
         """Step ``p`` as flat chunks of ``CHUNK`` elements: each chunk a view of ``p``, its
         gradient and its state, stepped by the optimizer as a parameter of its own."""
+        parts = self._begin(p)
+        grad = p.grad.view(-1)
+        for a in range(0, grad.numel(), CHUNK):
+            self._step_part(p, parts, a, grad[a:a + CHUNK])
+        self._end(p, parts)
+
+    # the gradient sink (runtime/grad_sinks.py): a parameter's gradient handed over by parts
+
+    def accepting(self) -> bool:
+        """Whether a part handed over now is stepped: during :meth:`stepping`."""
+        return self.active
+
+    def take(self, p: torch.Tensor, start: int, grad: torch.Tensor) -> None:
+        """Step ``p``'s flat elements ``[start, start + grad.numel())`` with ``grad`` (flat):
+        as a chunk of :meth:`_step_in_chunks`, split where it splits; unless a gradient
+        was non-finite (this one included)."""
+        parts = self._parts.get(p)
+        if parts is None:
+            parts = self._parts[p] = self._begin(p)
+        torch._amp_foreach_non_finite_check_and_unscale_([grad], self.found_inf, self.one)
+        if not self.fused and self.found_inf.item():
+            return
+        parts.stepped = True
+        end = start + grad.numel()
+        while start < end:
+            stop = min(end, (start // CHUNK + 1) * CHUNK)
+            self._step_part(p, parts, start, grad[:stop - start])
+            grad, start = grad[stop - start:], stop
+
+    def finish(self, p: torch.Tensor) -> None:
+        """Every part of ``p``'s gradient in this backward has been taken."""
+        parts = self._parts.pop(p, None)
+        if parts is not None:
+            self._end(p, parts)
+            self.stepped += parts.stepped
+        self._taken.add(p)
+
+    def _begin(self, p: torch.Tensor) -> _Parts:
+        whole = self.optimizer.state.pop(p, None) or {}  # entries p's size, and scalars
+        return _Parts(dict(whole), whole)
+
+    def _step_part(self, p: torch.Tensor, parts: _Parts, a: int, grad: torch.Tensor) -> None:
+        """Step the flat elements ``[a, a + grad.numel())`` of ``p`` with ``grad``."""
+        given, whole = parts.given, parts.whole
         state = self.optimizer.state
-        whole = state.pop(p, None) or {}  # entries the size of p, and scalars ("step")
-        given = dict(whole)  # empty on the first step: each chunk's step makes its own
-        flat, grad = p.detach().view(-1), p.grad.view(-1)
-        for a in range(0, flat.numel(), CHUNK):
-            view = flat[a:a + CHUNK]
-            view.grad = grad[a:a + CHUNK]
-            # a view of each entry the size of p; a copy of each scalar
-            state[view] = {k: v.view(-1)[a:a + CHUNK] if _sized(v, p) else
-                           v.clone() if isinstance(v, torch.Tensor) else v
-                           for k, v in given.items()}
-            with self._narrowed(p, view):
-                self._call()
-            mine = state.pop(view, {})
-            for k, v in mine.items():
-                if not _sized(v, view):
-                    whole[k] = v  # the step count: each chunk's copy counts the same
-                    continue
-                if k not in whole:  # made by the first step, a chunk's size: p's
-                    whole[k] = torch.empty(p.shape, dtype=v.dtype, device=v.device)
-                part = whole[k].view(-1)[a:a + CHUNK]
-                if part.data_ptr() != v.data_ptr():  # a new tensor, not the view it was given
-                    part.copy_(v)
-        if whole:  # plain SGD keeps none
-            state[p] = whole
+        view = p.detach().view(-1)[a:a + grad.numel()]
+        view.grad = grad
+        # a view of each entry the size of p; a copy of each scalar
+        state[view] = {k: v.view(-1)[a:a + view.numel()] if _sized(v, p) else
+                       v.clone() if isinstance(v, torch.Tensor) else v
+                       for k, v in given.items()}
+        with self._narrowed(p, view):
+            self._call()
+        for k, v in state.pop(view, {}).items():
+            if not _sized(v, view):
+                whole[k] = v  # the step count: each chunk's copy counts the same
+                continue
+            if k not in whole:  # made by the first step, a chunk's size: p's (zeros, as
+                # Adam's first state, where a part is not stepped)
+                whole[k] = torch.zeros(p.shape, dtype=v.dtype, device=v.device)
+            part = whole[k].view(-1)[a:a + view.numel()]
+            if part.data_ptr() != v.data_ptr():  # a new tensor, not the view it was given
+                part.copy_(v)
+
+    def _end(self, p: torch.Tensor, parts: _Parts) -> None:
+        if parts.whole:  # plain SGD keeps none
+            self.optimizer.state[p] = parts.whole
 
     def _call(self) -> None:
         opt = self.optimizer
@@ -197,6 +262,20 @@ class ReleasedGradients:
         for handle in self.handles:
             handle.remove()
         self.handles = []
+        for p in self.sunk:
+            unregister_sink(p, self)
+        self.sunk = []
+
+
+@dataclasses.dataclass
+class _Parts:
+    """A parameter stepped by parts: the state each part starts from (empty on the first
+    step, when each part's step makes its own), the state it ends with, and whether a part
+    was stepped."""
+
+    given: dict
+    whole: dict
+    stepped: bool = False
 
 
 def _sized(v: Any, p: torch.Tensor) -> bool:

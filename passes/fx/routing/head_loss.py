@@ -13,7 +13,8 @@ from torch import fx
 
 from passes._infra import PassResult, visiting
 from passes.fx.dtypes import CAST, dtype_of, is_amp_cast
-from passes.fx.nodes import SHORT_NAMES, module_info
+from passes.fx.nodes import SHORT_NAMES, fetch_attr, module_info
+from passes.fx.routing.parameter_uses import parameter_uses
 
 aten = torch.ops.aten
 
@@ -70,7 +71,7 @@ def route_head_loss(gm: fx.GraphModule, fused_fn: Callable[..., Any], low: torch
                                      f"head: its logits are {why} too, so they exist whole "
                                      "anyway (build_train_step drops returned logits)")
             continue
-        _fuse(gm, ce, product, chain, args, fused_fn, chunk_rows)
+        fused = _fuse(gm, ce, product, chain, args, fused_fn, chunk_rows)
         casts_out = [u for n in logits for u in n.users if _output_cast(u, output)]
         if returned:
             output.args = fx.node.map_arg(output.args, functools.partial(
@@ -78,6 +79,12 @@ def route_head_loss(gm: fx.GraphModule, fused_fn: Callable[..., Any], low: torch
         for node in reversed([*logits, *casts_out]):  # users first
             if not node.users:
                 _erase_with_casts(gm, node)
+        own = _only_reader(gm, fused, fused.args[1])
+        fused.update_kwarg("own_weight", own)
+        if own:
+            fused.meta["amp_reason"] += (
+                "; nothing else reads its weight: a step that releases gradients streams it "
+                "by blocks of vocabulary rows, each block's gradient stepped as it is formed")
         modified = True
     return PassResult(gm, modified)
 
@@ -131,7 +138,7 @@ def _chain_op(node: fx.Node) -> bool:
 
 def _fuse(gm: fx.GraphModule, ce: fx.Node, product: fx.Node, chain: list[fx.Node],
           args: dict, fused_fn: Callable[..., Any],
-          chunk_rows: Callable[[int, int], int]) -> None:
+          chunk_rows: Callable[[int, int], int]) -> fx.Node:
     x, w = product.args[0], product.args[1]
     b = (product.args[2:] or (None,))[0]
     graph = gm.graph
@@ -161,6 +168,16 @@ def _fuse(gm: fx.GraphModule, ce: fx.Node, product: fx.Node, chain: list[fx.Node
         "fp32, the gradients formed chunk by chunk; the logits never exist whole")
     ce.replace_all_uses_with(fused)
     graph.erase_node(ce)
+    return fused
+
+
+def _only_reader(gm: fx.GraphModule, fused: fx.Node, w: Any) -> bool:
+    """Whether ``fused`` is the only node that reads the parameter ``w`` (a ``get_attr``),
+    under any of its names: then the fused op forms all of its gradient (``own_weight``,
+    which lets a step that releases gradients take it by blocks)."""
+    return isinstance(w, fx.Node) and set(w.users) == {fused} \
+        and parameter_uses(gm)[id(fetch_attr(gm, w.target))] == 1
+
 
 
 def _call(graph: fx.Graph, target: Any, args: tuple, like: fx.Node) -> fx.Node:

@@ -146,3 +146,145 @@ def test_a_sixteen_bit_weight_has_its_gradient_summed_in_its_own_dtype():
     assert all(gr.dtype == torch.bfloat16 for gr in grads)
     assert torch.equal(grads[0], w.grad)
     assert rel(grads[1].float(), w.grad.float()) < 1e-2
+
+
+class RecordingSink:
+    """A gradient sink (grad_sinks.py) that writes each part it takes into ``grad``."""
+
+    def __init__(self, w, accepting=True):
+        self.w, self.open, self.finished = w, accepting, 0
+        self.grad = torch.full_like(w, float("nan"))
+        self.parts = []
+
+    def accepting(self):
+        return self.open
+
+    def take(self, p, start, grad):
+        assert p is self.w and grad.dtype == p.dtype
+        self.grad.view(-1)[start:start + grad.numel()] = grad
+        self.parts.append((start, grad.numel()))
+
+    def finish(self, p):
+        self.finished += 1
+
+
+def streamed(low, reduction, smoothing, bias, accepting=True, n=37, d=16, vocab=50, seed=0,
+             block_rows=8):
+    """The unfused values, and the fused head's with a sink on its weight (blocks of
+    ``block_rows`` vocabulary rows), as ``both`` gives them."""
+    import ampgraph.runtime.head_loss as head_loss
+    from ampgraph.runtime.grad_sinks import register_sink, unregister_sink
+
+    g = torch.Generator().manual_seed(seed)
+    x0 = torch.randn(n, d, generator=g).to(low)
+    w0 = torch.randn(vocab, d, generator=g) * 0.3
+    b0 = torch.randn(vocab, generator=g) if bias else None
+    target = torch.randint(0, vocab, (n,), generator=g)
+    target[::5] = -7
+    red = {"mean": 1, "sum": 2}[reduction]
+    out, sinks = [], []
+    for fused in (False, True):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        b = None if b0 is None else b0.clone().requires_grad_()
+        if fused:
+            sink = RecordingSink(w, accepting)
+            register_sink(w, sink)
+            budget = head_loss.GRAD_BLOCK_BYTES
+            head_loss.GRAD_BLOCK_BYTES = 4 * d * block_rows
+            try:
+                loss = linear_cross_entropy(x, w, b, target, red, -7, smoothing, own_weight=True)
+                loss.backward()
+            finally:
+                head_loss.GRAD_BLOCK_BYTES = budget
+                unregister_sink(w, sink)
+            sinks.append(sink)
+            gw = sink.grad if accepting else w.grad
+            assert accepting == (w.grad is None)
+        else:
+            loss = unfused(x, w, b, target, reduction, -7, smoothing)
+            loss.backward()
+            gw = w.grad
+        out.append((loss.detach(), x.grad.float(), gw, None if b is None else b.grad))
+    return out, sinks[0]
+
+
+@pytest.mark.parametrize("low", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_weight_with_a_sink_takes_its_gradient_by_blocks_of_the_vocabulary(
+        low, reduction, smoothing, bias):
+    (ref, fused), sink = streamed(low, reduction, smoothing, bias)
+    # an online log-sum-exp over the blocks: the loss within fp32 rounding
+    assert torch.allclose(fused[0], ref[0], rtol=1e-5, atol=0)
+    # seven blocks of 8 rows (the last 2), each taken once, covering the weight
+    assert sink.finished == 1 and sorted(sink.parts) == [(i * 8 * 16, min(8, 50 - i * 8) * 16)
+                                                         for i in range(7)]
+    tol = 1e-2 if low == torch.bfloat16 else 2e-3  # one 16-bit rounding per block (x's)
+    assert rel(fused[1], ref[1]) < tol and rel(fused[2], ref[2]) < tol
+    if bias:
+        assert rel(fused[3], ref[3]) < tol
+
+
+def test_a_sink_not_accepting_gets_nothing_and_the_gradient_is_returned_whole():
+    (ref, fused), sink = streamed(torch.bfloat16, "mean", 0.0, False, accepting=False)
+    assert sink.parts == [] and sink.finished == 0
+    assert rel(fused[2], ref[2]) < 1e-2 and rel(fused[1], ref[1]) < 1e-2
+
+
+def test_the_streamed_head_never_makes_a_tensor_the_weights_size():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import ampgraph.runtime.head_loss as head_loss
+    from ampgraph.runtime.grad_sinks import register_sink, unregister_sink
+
+    class Largest(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.most = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if any(r.alias_info is not None for r in func._schema.returns):
+                return out  # a view, or an op's out= argument: nothing made
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor):
+                    self.most = max(self.most, t.numel())
+            return out
+
+    # 37 x 16 inputs, a 200 x 16 weight: its gradient and 16-bit copy are 3200 elements,
+    # the logits 7400; the streamed head's blocks of 8 rows make 37 x 8 logits
+    x = torch.randn(37, 16).bfloat16().requires_grad_()
+    w = torch.randn(200, 16, requires_grad=True)
+    target = torch.randint(0, 200, (37,))
+    for with_sink in (False, True):
+        sink = RecordingSink(w)
+        if with_sink:
+            register_sink(w, sink)
+        budget, head_loss.GRAD_BLOCK_BYTES = head_loss.GRAD_BLOCK_BYTES, 4 * 16 * 8
+        try:
+            with Largest() as mode:
+                linear_cross_entropy(x, w, None, target, own_weight=True).backward()
+        finally:
+            head_loss.GRAD_BLOCK_BYTES = budget
+            unregister_sink(w, sink)
+        if with_sink:
+            assert mode.most < 37 * 16 * 2 and sink.finished == 1 and w.grad is None
+        else:  # not streamed: the whole gradient and 16-bit copy (and here one chunk)
+            assert mode.most >= w.numel() and sink.parts == []
+            w.grad = None
+
+
+def test_every_row_ignored_streamed_gives_the_nan_mean_and_zero_gradients():
+    from ampgraph.runtime.grad_sinks import register_sink, unregister_sink
+
+    x = torch.randn(4, 8).bfloat16().requires_grad_()
+    w = torch.randn(10, 8, requires_grad=True)
+    sink = RecordingSink(w)
+    register_sink(w, sink)
+    try:
+        loss = linear_cross_entropy(x, w, None, torch.full((4,), -100), own_weight=True)
+        loss.backward()
+    finally:
+        unregister_sink(w, sink)
+    assert torch.isnan(loss) and not x.grad.any() and not sink.grad.any()
