@@ -283,6 +283,12 @@ def _block_logits(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, v0: 
     return torch.nn.functional.linear(x, wl, bl).float(), wl
 
 
+def _in_block(target: torch.Tensor, v0: int, v1: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rows whose target is in v0:v1, [N, 1] its column there, 0 elsewhere)``."""
+    here = (target >= v0) & (target < v1)
+    return here, torch.where(here, target - v0, torch.zeros_like(target))[:, None]
+
+
 def _streamed_loss(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
                    target: torch.Tensor, args: tuple) -> tuple[torch.Tensor, torch.Tensor]:
     """The loss, and each row's fp32 log-sum-exp, by blocks of vocabulary rows."""
@@ -300,8 +306,7 @@ def _streamed_loss(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
         for v0 in range(0, vocab, step):
             v1 = min(vocab, v0 + step)
             logits, _ = _block_logits(x, w, b, v0, v1)
-            here = (safe >= v0) & (safe < v1)
-            col = torch.where(here, safe - v0, torch.zeros_like(safe))[:, None]
+            here, col = _in_block(safe, v0, v1)
             picked += torch.where(here, logits.gather(1, col)[:, 0], 0)
             if smoothing:
                 sums += logits.sum(1)
@@ -348,8 +353,7 @@ def _streamed_grads(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
             go = logits.sub_(lse[:, None]).exp_()
             if smoothing:
                 go -= smoothing / vocab
-            here = (safe >= v0) & (safe < v1)
-            col = torch.where(here, safe - v0, torch.zeros_like(safe))[:, None]
+            here, col = _in_block(safe, v0, v1)
             go.scatter_add_(1, col, torch.where(here, smoothing - 1.0, 0.0)[:, None]
                             .to(go.dtype))
             low = go.mul_(coef).to(x.dtype)  # the unfused graph's cast back
