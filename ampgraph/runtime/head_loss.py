@@ -185,10 +185,7 @@ def _run(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, target: torch
     with torch.no_grad():
         wl = w if w.dtype == low else w.to(low)
         bl = b if b is None or b.dtype == low else b.to(low)
-        valid = target != ignore_index
-        zero = torch.zeros((), dtype=target.dtype, device=target.device)
-        safe = torch.where(valid, target, zero)
-        count = valid.sum()
+        valid, safe, count = _targets(target, ignore_index)
         g = torch.ones((), dtype=torch.float32, device=x.device) if scale is None \
             else scale.to(torch.float32)
         # cross_entropy's label smoothing is (1 - eps) nll + eps / V * smooth, smooth the
@@ -274,6 +271,13 @@ class StreamedLinearCrossEntropy(torch.autograd.Function):
                 None)
 
 
+def _targets(target: torch.Tensor, ignore_index: int
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(rows not ignored, the target with 0 in ignored rows, their count)``."""
+    valid = target != ignore_index
+    return valid, torch.where(valid, target, torch.zeros_like(target)), valid.sum()
+
+
 def _block_logits(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, v0: int,
                   v1: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(fp32 logits [N, v1 - v0], the block's weight in x's dtype)``: the unfused
@@ -297,8 +301,7 @@ def _streamed_loss(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
     step = vocab_rows(n, vocab, w.shape[1])
     f32 = dict(dtype=torch.float32, device=x.device)
     with torch.no_grad():
-        valid = target != ignore_index
-        safe = torch.where(valid, target, torch.zeros_like(target))
+        valid, safe, count = _targets(target, ignore_index)
         top = torch.full((n,), float("-inf"), **f32)  # the running max of each row
         total = torch.zeros(n, **f32)  # the sum of exp(logit - top)
         picked = torch.zeros(n, **f32)  # the target's logit
@@ -315,7 +318,6 @@ def _streamed_loss(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
             top = new
             del logits
         lse = top + total.log()
-        count = valid.sum()
         nll = (lse - picked).masked_fill_(~valid, 0).sum()
         loss = nll / count if reduction == 1 else nll
         if smoothing:  # -sum(log p) over a row: V * lse - sum(logits)
@@ -337,9 +339,7 @@ def _streamed_grads(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
     step = vocab_rows(n, vocab, d)
     streaming = need_w and sink.accepting()
     with torch.no_grad():
-        valid = target != ignore_index
-        safe = torch.where(valid, target, torch.zeros_like(target))
-        count = valid.sum()
+        valid, safe, count = _targets(target, ignore_index)
         # the logits' gradient of a row: coef * (softmax - (1 - eps) onehot - eps / V)
         coef = grad.to(torch.float32) / (count if reduction == 1 else 1)
         coef = torch.where(valid, coef, 0)[:, None]

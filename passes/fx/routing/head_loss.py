@@ -79,7 +79,7 @@ def route_head_loss(gm: fx.GraphModule, fused_fn: Callable[..., Any], low: torch
         for node in reversed([*logits, *casts_out]):  # users first
             if not node.users:
                 _erase_with_casts(gm, node)
-        own = _only_reader(gm, fused, fused.args[1])
+        own = _only_reader(gm, fused.args[1])
         fused.update_kwarg("own_weight", own)
         if own:
             fused.meta["amp_reason"] += (
@@ -171,13 +171,12 @@ def _fuse(gm: fx.GraphModule, ce: fx.Node, product: fx.Node, chain: list[fx.Node
     return fused
 
 
-def _only_reader(gm: fx.GraphModule, fused: fx.Node, w: Any) -> bool:
-    """Whether ``fused`` is the only node that reads the parameter ``w`` (a ``get_attr``),
-    under any of its names: then the fused op forms all of its gradient (``own_weight``,
-    which lets a step that releases gradients take it by blocks)."""
-    return isinstance(w, fx.Node) and set(w.users) == {fused} \
-        and parameter_uses(gm)[id(fetch_attr(gm, w.target))] == 1
-
+def _only_reader(gm: fx.GraphModule, w: Any) -> bool:
+    """Whether the fused node is the only one that reads the parameter ``w`` (a
+    ``get_attr``), under any of its names: then the fused op forms all of its gradient
+    (``own_weight``, which lets a step that releases gradients take it by blocks)."""
+    return isinstance(w, fx.Node) and w.op == "get_attr" \
+        and parameter_uses(gm)[id(fetch_attr(gm, w.target))] == 1  # fused's use alone
 
 
 def _call(graph: fx.Graph, target: Any, args: tuple, like: fx.Node) -> fx.Node:
